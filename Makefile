@@ -1,0 +1,31 @@
+# Each target installs what it needs into a virtual environment of its own.
+# torch is installed first and pinned, so no later requirement can pull another build of it.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+
+.PHONY: demo test bench lint clean
+
+$(VENV)/.installed-%: setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[$*]" "$(TORCH)"
+	touch $@
+
+demo: $(VENV)/.installed-demo
+	$(PY) examples/digits.py
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed-bench
+	$(PY) benchmarks/overhead.py
+
+lint: $(VENV)/.installed-test
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache demo_runs bench_results

@@ -1,0 +1,61 @@
+"""Package metadata for trainer-core.
+
+Three source folders make one import package: ``trainer_core/`` is ``trainer_core``,
+``plugins/`` is ``trainer_core.plugins`` and ``callbacks/`` is ``trainer_core.callbacks``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from setuptools import setup
+
+_ROOT = Path(__file__).parent
+_VERSION = re.search(r'__version__ = "([^"]+)"', (_ROOT / "trainer_core" / "__about__.py").read_text()).group(1)
+
+# torch is deliberately a floor, not a pin: installers pin it first (the Makefile installs
+# torch==2.13.0 before the project) so that this range never pulls a different build.
+_INSTALL_REQUIRES = [
+    "torch>=2.4",
+    "lightning-utilities>=0.10",
+    "fsspec>=2023.6",
+    "tqdm>=4.60",
+    "numpy>=1.24",
+]
+
+_EXTRAS = {
+    "sharded": ["fairscale==0.4.13"],
+    "demo": ["scikit-learn>=1.3"],
+    "test": [
+        "pytest>=8",
+        "pytest-timeout>=2.2",
+        "scikit-learn>=1.3",
+        "ruff>=0.5",
+    ],
+    "bench": ["pytorch-lightning==2.6.6", "psutil>=5.9"],
+}
+
+setup(
+    name="trainer-core",
+    version=_VERSION,
+    description="A Lightning-style trainer whose distributed behaviour lives in training-type plugins.",
+    long_description=(_ROOT / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=[
+        "trainer_core",
+        "trainer_core.loggers",
+        "trainer_core.plugins",
+        "trainer_core.plugins.io",
+        "trainer_core.callbacks",
+    ],
+    package_dir={
+        "trainer_core": "trainer_core",
+        "trainer_core.plugins": "plugins",
+        "trainer_core.callbacks": "callbacks",
+    },
+    install_requires=_INSTALL_REQUIRES,
+    extras_require=_EXTRAS,
+    license="Apache-2.0",
+)
