@@ -45,6 +45,7 @@ setup(
     python_requires=">=3.9",
     packages=[
         "trainer_core",
+        "trainer_core.checkpoint",
         "trainer_core.loggers",
         "trainer_core.plugins",
         "trainer_core.plugins.io",

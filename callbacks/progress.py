@@ -1,0 +1,193 @@
+"""``TQDMProgressBar``: train, validation, test and predict bars on global rank 0.
+
+The bar's postfix (the ``prog_bar`` metrics) is built only when tqdm redraws, at most ten times
+a second, not on every step: turning metrics into text per step is what makes Lightning's bar
+cost several times the training step of a small model.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Optional, TextIO
+
+from tqdm.auto import tqdm as _tqdm
+
+from trainer_core.callbacks.base import Callback
+
+if TYPE_CHECKING:
+    from trainer_core.module import LightningModule
+    from trainer_core.trainer import Trainer
+
+
+class _Bar(_tqdm):
+    """A tqdm bar whose postfix comes from a function, called only when the bar is drawn."""
+
+    def __init__(self, *args: Any, metrics: Optional[Callable[[], dict[str, Any]]] = None, **kwargs: Any) -> None:
+        self._metrics_fn = metrics
+        super().__init__(*args, **kwargs)
+
+    @property
+    def format_dict(self) -> dict[str, Any]:
+        d = super().format_dict
+        if self._metrics_fn is not None:
+            items = self._metrics_fn()
+            if items:
+                d["postfix"] = ", ".join(f"{k}={_fmt(v)}" for k, v in items.items())
+        return d
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def _total(n: Any) -> Optional[int]:
+    return None if n is None or (isinstance(n, float) and math.isinf(n)) else int(n)
+
+
+class TQDMProgressBar(Callback):
+    """Progress bars like Lightning's: ``refresh_rate`` batches per update (0 disables it)."""
+
+    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False,
+                 file: Optional[TextIO] = None) -> None:
+        if not isinstance(refresh_rate, int) or refresh_rate < 0:
+            raise ValueError(f"TQDMProgressBar(refresh_rate={refresh_rate!r}): use a non-negative integer.")
+        self.refresh_rate = refresh_rate
+        self.process_position = process_position
+        self.leave = leave
+        self._file = file
+        self._enabled = True
+        self.train_progress_bar: Optional[_Bar] = None
+        self.val_progress_bar: Optional[_Bar] = None
+        self.test_progress_bar: Optional[_Bar] = None
+        self.predict_progress_bar: Optional[_Bar] = None
+        self._trainer: Optional[Trainer] = None
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled and self.refresh_rate > 0
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        """What the postfix shows: the ``prog_bar`` metrics and the logger's version as ``v_num``."""
+        metrics: dict[str, Any] = {}
+        logger = trainer.logger
+        if logger is not None and getattr(logger, "_version", None) is not None:
+            version = logger.version
+            metrics["v_num"] = version[-4:] if isinstance(version, str) else version
+        metrics.update(trainer.progress_bar_metrics)
+        return metrics
+
+    def _new_bar(self, desc: str, total: Any, position_offset: int, leave: bool) -> _Bar:
+        trainer = self._trainer
+        return _Bar(
+            desc=desc,
+            total=_total(total),
+            position=2 * self.process_position + position_offset,
+            leave=leave,
+            dynamic_ncols=True,
+            file=self._file or sys.stderr,
+            smoothing=0,
+            metrics=(lambda: self.get_metrics(trainer, trainer.lightning_module)) if trainer is not None else None,
+        )
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._trainer = trainer
+        if not trainer.is_global_zero:
+            self.disable()
+
+    # ------------------------------------------------------------------ training
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.is_enabled:
+            return
+        if self.train_progress_bar is None:
+            self.train_progress_bar = self._new_bar("Training", trainer.num_training_batches, 0, True)
+        else:
+            self.train_progress_bar.reset(total=_total(trainer.num_training_batches))
+        self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}", refresh=False)
+        self.train_progress_bar.initial = trainer._resume_batch_idx
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        bar = self.train_progress_bar
+        if bar is None:
+            return
+        rate = self.refresh_rate
+        if rate == 1:
+            bar.update(1)
+        elif (batch_idx + 1) % rate == 0 or trainer._is_last_batch:
+            bar.update(batch_idx + 1 - bar.n)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.train_progress_bar is not None:
+            self.train_progress_bar.refresh()
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.train_progress_bar is not None:
+            self.train_progress_bar.close()
+            self.train_progress_bar = None
+
+    # ------------------------------------------------------------------ evaluation
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.is_enabled:
+            return
+        total = sum(n for n in trainer.num_val_batches if not math.isinf(n)) if trainer.num_val_batches else None
+        if trainer.sanity_checking:
+            total = sum(min(n, trainer.num_sanity_val_steps) if trainer.num_sanity_val_steps >= 0 else n
+                        for n in trainer.num_val_batches)
+        desc = "Sanity Checking" if trainer.sanity_checking else "Validation"
+        has_main = self.train_progress_bar is not None
+        self.val_progress_bar = self._new_bar(desc, total, 1 if has_main else 0, not has_main)
+
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self.val_progress_bar is not None:
+            self.val_progress_bar.update(1)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.val_progress_bar is not None:
+            self.val_progress_bar.close()
+            self.val_progress_bar = None
+        if self.train_progress_bar is not None and not trainer.sanity_checking:
+            self.train_progress_bar.refresh()
+
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.is_enabled:
+            self.test_progress_bar = self._new_bar("Testing", sum(trainer.num_test_batches), 0, True)
+
+    def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                          batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self.test_progress_bar is not None:
+            self.test_progress_bar.update(1)
+
+    def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.test_progress_bar is not None:
+            self.test_progress_bar.close()
+            self.test_progress_bar = None
+
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.is_enabled:
+            self.predict_progress_bar = self._new_bar("Predicting", sum(trainer.num_predict_batches), 0, True)
+
+    def on_predict_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                             batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self.predict_progress_bar is not None:
+            self.predict_progress_bar.update(1)
+
+    def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.predict_progress_bar is not None:
+            self.predict_progress_bar.close()
+            self.predict_progress_bar = None
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        for bar in (self.train_progress_bar, self.val_progress_bar, self.test_progress_bar, self.predict_progress_bar):
+            if bar is not None:
+                bar.close()
+        self.train_progress_bar = self.val_progress_bar = self.test_progress_bar = self.predict_progress_bar = None

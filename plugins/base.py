@@ -1,0 +1,300 @@
+"""``TrainingTypePlugin``: the whole contract between the Trainer and a way of running.
+
+The Trainer never calls ``torch.distributed``; it asks the plugin for ranks, collectives,
+wrapping, backward, optimizer steps, optimizer state and checkpoint writing. A concrete plugin
+overrides only what differs from this base; the rules every plugin shares live here once, above
+all the consolidation rule of ``optimizer_state``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from trainer_core.errors import MisconfigurationException
+from trainer_core.optim import LRSchedulerConfig, parse_optimizers
+from trainer_core.precision import Precision
+from trainer_core.utilities import move_data_to_device
+
+if TYPE_CHECKING:
+    from trainer_core.module import LightningModule
+    from trainer_core.plugins.io import CheckpointIO
+    from trainer_core.trainer import Trainer
+
+
+class TrainingTypePlugin:
+    """Base plugin: one process, no collectives; subclasses add processes and wrapping."""
+
+    #: The registry name (``Trainer(plugins="...")``).
+    name: str = "base"
+
+    def __init__(self, checkpoint_io: Optional[CheckpointIO] = None) -> None:
+        self._checkpoint_io = checkpoint_io
+        self._lightning_module: Optional[LightningModule] = None
+        self._model: Optional[nn.Module] = None
+        self.optimizers: list[Optimizer] = []
+        self.lr_scheduler_configs: list[LRSchedulerConfig] = []
+        self.precision: Precision = Precision("32-true")
+        self._trainer: Optional[Trainer] = None
+
+    # ------------------------------------------------------------------ ranks and device
+    @property
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def root_device(self) -> torch.device:
+        raise NotImplementedError(f"{type(self).__name__} must define `root_device`.")
+
+    @property
+    def distributed_sampler_kwargs(self) -> Optional[dict[str, Any]]:
+        """``num_replicas``/``rank`` for a ``DistributedSampler``, or ``None`` when data is not split."""
+        return None
+
+    # ------------------------------------------------------------------ the model
+    @property
+    def lightning_module(self) -> Optional[LightningModule]:
+        return self._lightning_module
+
+    @property
+    def model(self) -> Optional[nn.Module]:
+        """The module the steps run through: the user's module, or the wrapper around it."""
+        return self._model if self._model is not None else self._lightning_module
+
+    @model.setter
+    def model(self, model: nn.Module) -> None:
+        self._model = model
+
+    @property
+    def model_parts(self) -> list[nn.Module]:
+        """The model parts this rank holds; one for every plugin but pipeline parallelism."""
+        return [self._lightning_module] if self._lightning_module is not None else []
+
+    def connect(self, module: LightningModule) -> None:
+        self._lightning_module = module
+        self._model = None
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        if self._checkpoint_io is None:
+            from trainer_core.plugins.io import TorchCheckpointIO
+
+            self._checkpoint_io = TorchCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
+
+    # ------------------------------------------------------------------ lifecycle
+    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``function`` in every process of this plugin; the base runs it here, once."""
+        return function(*args, **kwargs)
+
+    def setup_environment(self) -> None:
+        """Create the process group or select the device; called before the model is touched."""
+        from trainer_core.utilities import rank_zero_only
+
+        rank_zero_only.rank = self.global_rank
+
+    def setup(self, trainer: Trainer) -> None:
+        """Move and wrap the model, then create (and wrap) the optimizers."""
+        self._trainer = trainer
+        module = self._lightning_module
+        assert module is not None
+        self.precision.convert_module(module)
+        self.model_to_device()
+        if trainer.training:
+            self.setup_optimizers(trainer)
+        self.model = self.wrap_model(module)
+
+    def wrap_model(self, module: nn.Module) -> nn.Module:
+        """The module the steps run through; distributed plugins return their wrapper."""
+        return module
+
+    def model_to_device(self) -> None:
+        assert self._lightning_module is not None
+        self._lightning_module.to(self.root_device)
+
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        returned = trainer._call_module_hook("configure_optimizers")
+        optimizers, configs = parse_optimizers(returned)
+        if not optimizers and self._lightning_module is not None and self._lightning_module.automatic_optimization:
+            raise MisconfigurationException(
+                "configure_optimizers returned None: automatic optimization needs an optimizer. Return one, or set "
+                "`self.automatic_optimization = False`."
+            )
+        self.optimizers = [self.wrap_optimizer(opt) for opt in optimizers]
+        for config, original in ((c, c.scheduler.optimizer) for c in configs):
+            wrapped = self.optimizers[[id(o) for o in optimizers].index(id(original))]
+            if wrapped is not original:
+                config.scheduler.optimizer = wrapped
+        self.lr_scheduler_configs = configs
+
+    def wrap_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """The optimizer the run steps; sharded plugins wrap it here (OSS, ZeRO)."""
+        return optimizer
+
+    def teardown(self) -> None:
+        """Release what ``setup`` created; the module is left on its device, unwrapped."""
+        self._model = None
+        if self._checkpoint_io is not None:
+            self._checkpoint_io.teardown()
+
+    def process_dataloader(self, dataloader: Any, kind: str, use_distributed_sampler: bool) -> Any:
+        """The loader this process iterates; data-parallel plugins give each rank its own part."""
+        return dataloader
+
+    # ------------------------------------------------------------------ steps
+    def no_backward_sync(self) -> contextlib.AbstractContextManager:
+        """Skip gradient synchronisation while accumulating (DDP's ``no_sync``); a no-op here."""
+        return contextlib.nullcontext()
+
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None) -> Any:
+        return move_data_to_device(batch, device or self.root_device)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self._lightning_module is not None
+        return self._lightning_module.training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self._lightning_module is not None
+        return self._lightning_module.validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self._lightning_module is not None
+        return self._lightning_module.test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self._lightning_module is not None
+        return self._lightning_module.predict_step(*args, **kwargs)
+
+    def backward(self, loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """``on_before_backward`` hooks, precision scaling, the module's ``backward``, ``on_after_backward``."""
+        trainer = self._trainer
+        assert trainer is not None and self._lightning_module is not None
+        hooks = trainer._hooks
+        if hooks.on_before_backward:
+            trainer._run_hooks("on_before_backward", hooks.on_before_backward, loss)
+        scaled = self.precision.pre_backward(loss)
+        self._lightning_module.backward(scaled, *args, **kwargs)
+        if hooks.on_after_backward:
+            trainer._run_hooks("on_after_backward", hooks.on_after_backward)
+        return loss
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+        """Step ``optimizer``; the closure runs the forward and backward first.
+
+        ``on_before_optimizer_step`` and gradient clipping run after the closure (when the
+        gradients exist) and before the parameters change, as in Lightning.
+        """
+        trainer = self._trainer
+        assert trainer is not None
+        after = trainer._after_closure
+        if after is not None:
+            inner = closure
+
+            def closure() -> Any:  # noqa: F811 - the wrapped closure replaces the user's
+                result = inner() if inner is not None else None
+                after(optimizer)
+                return result
+
+        return self.precision.optimizer_step(optimizer, closure, **kwargs)
+
+    def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
+        """Clip the gradients of ``optimizer``'s parameters, unscaled first under loss scaling."""
+        self.precision.unscale_gradients(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if algorithm == "norm":
+            torch.nn.utils.clip_grad_norm_(params, clip_val)
+        else:
+            torch.nn.utils.clip_grad_value_(params, clip_val)
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: Optional[str] = None) -> None:
+        """Wait until every process reaches this point; a no-op on one process."""
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def reduce(self, tensor: Union[Tensor, float], reduce_op: str = "mean") -> Union[Tensor, float]:
+        return tensor
+
+    def all_gather(self, tensor: Tensor, sync_grads: bool = False) -> Tensor:
+        """Stack ``tensor`` from every process along a new first dimension."""
+        return tensor.unsqueeze(0)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Agree on ``decision`` across processes: every one must hold it (``all``) or any."""
+        return decision
+
+    # ------------------------------------------------------------------ state
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's full state, as rank 0 writes it; ``{}`` on other ranks for sharded optimizers.
+
+        The consolidation rule for every plugin: an optimizer that shards its state (fairscale
+        ``OSS``, torch ``ZeroRedundancyOptimizer``, or anything with ``consolidate_state_dict``)
+        is consolidated on *all* ranks, because consolidation is a collective; then only global
+        rank 0 reads ``state_dict()`` (on the others it would raise, since the full state was
+        gathered to rank 0 alone) and the others return ``{}``. This holds whichever plugin runs,
+        also when the user wraps the optimizer inside ``configure_optimizers`` under plain DDP.
+        """
+        consolidate = getattr(optimizer, "consolidate_state_dict", None)
+        if callable(consolidate):
+            consolidate(to=0) if _accepts_to(consolidate) else consolidate()
+            return optimizer.state_dict() if self.is_global_zero else {}
+        return optimizer.state_dict()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's full state dict (parameters, buffers and extra state), keyed by name."""
+        assert self._lightning_module is not None
+        return self._lightning_module.state_dict()
+
+    def load_model_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        assert self._lightning_module is not None
+        self._lightning_module.load_state_dict(state_dict, strict=strict)
+
+    def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state_dict)
+
+    # ------------------------------------------------------------------ checkpoint files
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str, storage_options: Optional[Any] = None) -> None:
+        """Write ``checkpoint``; a monolithic file is written by global rank 0 only."""
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, filepath: str) -> dict[str, Any]:
+        return self.checkpoint_io.load_checkpoint(filepath)
+
+    def remove_checkpoint(self, filepath: str) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
+
+
+def _accepts_to(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        return "to" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False

@@ -1,0 +1,41 @@
+"""Names a user may pass as ``Trainer(plugins="...")``, mapped to plugin classes.
+
+Distributed plugins register themselves by name here as they are added, so the Trainer never
+imports a concrete plugin and an unknown name gets one error listing the known ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from trainer_core.errors import MisconfigurationException
+from trainer_core.plugins.base import TrainingTypePlugin
+
+_REGISTRY: dict[str, tuple[Callable[..., TrainingTypePlugin], dict[str, Any]]] = {}
+
+
+def register_plugin(name: str, factory: Callable[..., TrainingTypePlugin], **defaults: Any) -> None:
+    """Make ``name`` build ``factory(**defaults, **kwargs)``."""
+    _REGISTRY[name] = (factory, defaults)
+
+
+def available_plugins() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def plugin_from_name(name: str, **kwargs: Any) -> TrainingTypePlugin:
+    if name not in _REGISTRY:
+        raise MisconfigurationException(
+            f"Trainer(plugins={name!r}): no plugin has that name. Known names: {', '.join(available_plugins())}."
+        )
+    factory, defaults = _REGISTRY[name]
+    return factory(**{**defaults, **kwargs})
+
+
+def _register_builtins() -> None:
+    from trainer_core.plugins.single_device import SingleDevicePlugin
+
+    register_plugin("single_device", SingleDevicePlugin)
+
+
+_register_builtins()

@@ -1,0 +1,305 @@
+"""Building the checkpoint dict of a run, and putting a run back from one.
+
+``dump_checkpoint`` assembles DESIGN.md's dict on every rank; the plugin fills the parts it owns
+(model state, optimizer state under the consolidation rule) and writes it. ``restore_checkpoint``
+checks *everything* (format, parameter names and shapes, optimizer names, counts) before it
+changes anything, so a bad file leaves the model, the optimizers and the trainer as they were.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from trainer_core.__about__ import __version__
+from trainer_core.checkpoint import (
+    FORMAT_VERSION,
+    KEY_CALLBACKS,
+    KEY_EPOCH,
+    KEY_FORMAT_VERSION,
+    KEY_GLOBAL_STEP,
+    KEY_HPARAMS,
+    KEY_LOOPS,
+    KEY_LR_SCHEDULERS,
+    KEY_OPTIMIZER_STATES,
+    KEY_PRECISION,
+    KEY_RNG,
+    KEY_STATE_DICT,
+    KEY_VERSION,
+    check_state_dict_matches,
+    optimizer_state_from_names,
+    optimizer_state_to_names,
+    parameter_names,
+    validate_checkpoint,
+)
+from trainer_core.errors import CheckpointError
+from trainer_core.utilities import rank_zero_warn
+
+if TYPE_CHECKING:
+    from trainer_core.module import LightningModule
+    from trainer_core.trainer import Trainer
+
+KEY_DATAMODULE = "datamodule"
+KEY_PLUGIN = "plugin"
+
+
+# ---------------------------------------------------------------------- RNG
+def collect_rng_states() -> dict[str, Any]:
+    """Every generator a training step may draw from, as plain tensors and tuples."""
+    states: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": _numpy_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _numpy_state() -> tuple[Any, ...]:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # A tensor and plain numbers load under weights_only without any numpy global.
+    return (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+
+
+def apply_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    kind, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    python = states["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+# ---------------------------------------------------------------------- dump
+def _plain_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
+    """Hyper-parameters that load without unpickling code; others are dropped with a warning."""
+    kept: dict[str, Any] = {}
+    dropped = []
+    for key, value in hparams.items():
+        if _is_plain(value):
+            kept[key] = value
+        else:
+            dropped.append(key)
+    if dropped:
+        rank_zero_warn(
+            f"hyper-parameters {dropped} are not plain values (numbers, strings, tensors, lists, dicts) and are not "
+            "saved in the checkpoint; pass them to load_from_checkpoint, or exclude them with "
+            "save_hyperparameters(ignore=[...])."
+        )
+    return kept
+
+
+def _is_plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str, Tensor)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, (str, int)) and _is_plain(v) for k, v in value.items())
+    return False
+
+
+def loop_state(trainer: Trainer) -> dict[str, Any]:
+    """Where the fit loop stands: enough to continue on the very next batch."""
+    state: dict[str, Any] = {
+        "epoch": trainer.current_epoch,
+        "batches_done_in_epoch": trainer._batches_done_in_epoch,
+        "epoch_finished": trainer._epoch_finished,
+        "total_batch_idx": trainer.total_batch_idx,
+        "batches_that_stepped": trainer._batches_that_stepped,
+    }
+    if trainer._epoch_start_rng is not None and not trainer._epoch_finished:
+        state["epoch_start_rng"] = trainer._epoch_start_rng
+    loader = trainer.train_dataloader
+    if loader is not None and callable(getattr(loader, "state_dict", None)):
+        state["dataloader"] = loader.state_dict()
+    module = trainer.lightning_module
+    mid_cycle = (
+        module is not None
+        and module.automatic_optimization
+        and trainer.accumulate_grad_batches > 1
+        and trainer._batches_done_in_epoch % trainer.accumulate_grad_batches != 0
+        and not trainer._epoch_finished
+    )
+    if mid_cycle:
+        # Saved between two optimizer steps: keep the gradients accumulated so far.
+        state["accumulated_grads"] = {
+            name: p.grad.detach().clone() for name, p in module.named_parameters() if p.grad is not None
+        }
+    return state
+
+
+def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
+    """The checkpoint dict of DESIGN.md, on every rank (sharded parts filled in by the plugin)."""
+    module = trainer.lightning_module
+    plugin = trainer.plugin
+    assert module is not None
+    checkpoint: dict[str, Any] = {
+        KEY_FORMAT_VERSION: FORMAT_VERSION,
+        KEY_VERSION: __version__,
+        KEY_EPOCH: trainer.current_epoch,
+        KEY_GLOBAL_STEP: trainer.global_step,
+        KEY_STATE_DICT: plugin.lightning_module_state_dict(),
+        KEY_PLUGIN: {"name": plugin.name, "world_size": plugin.world_size},
+    }
+    if module.hparams:
+        checkpoint[KEY_HPARAMS] = _plain_hparams(dict(module.hparams))
+    if not weights_only:
+        names = parameter_names(module)
+        checkpoint[KEY_OPTIMIZER_STATES] = [
+            optimizer_state_to_names(plugin.optimizer_state(opt), _inner(opt), names) for opt in plugin.optimizers
+        ]
+        checkpoint[KEY_LR_SCHEDULERS] = [config.scheduler.state_dict() for config in plugin.lr_scheduler_configs]
+        checkpoint[KEY_LOOPS] = loop_state(trainer)
+        checkpoint[KEY_CALLBACKS] = {}
+        for cb in trainer.callbacks:
+            state = cb.state_dict()
+            if state:
+                checkpoint[KEY_CALLBACKS][cb.state_key] = state
+        checkpoint[KEY_RNG] = collect_rng_states()
+        checkpoint[KEY_PRECISION] = plugin.precision.state_dict()
+        if trainer.datamodule is not None:
+            dm_state = trainer.datamodule.state_dict()
+            if dm_state:
+                checkpoint[KEY_DATAMODULE] = dm_state
+        trainer._current_fx = "on_save_checkpoint"
+        for cb in trainer.callbacks:
+            cb.on_save_checkpoint(trainer, module, checkpoint)
+    trainer._call_module_hook("on_save_checkpoint", checkpoint)
+    return checkpoint
+
+
+def _inner(optimizer: Any) -> Any:
+    """The optimizer whose ``param_groups`` list the parameters (a sharded wrapper's own groups do)."""
+    return optimizer
+
+
+# ---------------------------------------------------------------------- restore
+def resolve_ckpt_path(trainer: Trainer, ckpt_path: Union[str, os.PathLike]) -> Optional[str]:
+    """A path as given, or for ``"last"`` the newest complete checkpoint of this run's checkpoint folders."""
+    path = os.fspath(ckpt_path)
+    if path != "last":
+        return path
+    io = trainer.plugin.checkpoint_io
+    candidates = []
+    for cb in trainer.checkpoint_callbacks:
+        if cb.dirpath is None:
+            cb.setup(trainer, trainer.lightning_module, "fit")
+        found = io.latest_complete(cb.dirpath)
+        if found is not None:
+            candidates.append(found)
+    if not candidates:
+        rank_zero_warn('fit(ckpt_path="last") found no complete checkpoint; training starts from the beginning.')
+        return None
+    if len(candidates) == 1:
+        return candidates[0]
+    return max(candidates, key=lambda p: io.saved_at(p) if hasattr(io, "saved_at") else 0.0)
+
+
+def restore_checkpoint(trainer: Trainer, ckpt_path: Union[str, os.PathLike], weights_only: bool = False) -> None:
+    """Load ``ckpt_path`` into the run: all checks first, then every change at once."""
+    path = resolve_ckpt_path(trainer, ckpt_path)
+    if path is None:
+        return
+    module = trainer.lightning_module
+    plugin = trainer.plugin
+    assert module is not None
+    checkpoint = plugin.load_checkpoint(path)
+    validate_checkpoint(checkpoint, path, for_resume=not weights_only)
+    check_state_dict_matches(module.state_dict(), checkpoint[KEY_STATE_DICT], path)
+
+    optimizer_states: list[dict[str, Any]] = []
+    if not weights_only:
+        saved = checkpoint[KEY_OPTIMIZER_STATES]
+        if len(saved) != len(plugin.optimizers):
+            raise CheckpointError(
+                f"{path} holds the state of {len(saved)} optimizer(s) but configure_optimizers returned "
+                f"{len(plugin.optimizers)}; resume with the optimizers the run was saved with."
+            )
+        names = parameter_names(module)
+        optimizer_states = [
+            optimizer_state_from_names(state, _inner(opt), names, path) for state, opt in zip(saved, plugin.optimizers)
+        ]
+        schedulers = checkpoint[KEY_LR_SCHEDULERS]
+        if len(schedulers) != len(plugin.lr_scheduler_configs):
+            raise CheckpointError(
+                f"{path} holds {len(schedulers)} scheduler state(s) but configure_optimizers returned "
+                f"{len(plugin.lr_scheduler_configs)} scheduler(s); resume with the schedulers the run was saved with."
+            )
+
+    # Nothing has changed yet; from here on the checkpoint is known to fit.
+    trainer._current_fx = "on_load_checkpoint"
+    if not weights_only:
+        for cb in trainer.callbacks:
+            cb.on_load_checkpoint(trainer, module, checkpoint)
+    trainer._call_module_hook("on_load_checkpoint", checkpoint)
+    plugin.load_model_state_dict(checkpoint[KEY_STATE_DICT])
+    if weights_only:
+        return
+    for opt, state in zip(plugin.optimizers, optimizer_states):
+        plugin.load_optimizer_state_dict(opt, state)
+    for config, state in zip(plugin.lr_scheduler_configs, checkpoint[KEY_LR_SCHEDULERS]):
+        config.scheduler.load_state_dict(state)
+    plugin.precision.load_state_dict(checkpoint.get(KEY_PRECISION, {}))
+    callback_states = checkpoint.get(KEY_CALLBACKS, {})
+    for cb in trainer.callbacks:
+        if cb.state_key in callback_states:
+            cb.load_state_dict(callback_states[cb.state_key])
+    if trainer.datamodule is not None and KEY_DATAMODULE in checkpoint:
+        trainer.datamodule.load_state_dict(checkpoint[KEY_DATAMODULE])
+    _restore_loops(trainer, checkpoint)
+    trainer.ckpt_path = path
+
+
+def _restore_loops(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+    loops = checkpoint[KEY_LOOPS]
+    trainer.global_step = checkpoint[KEY_GLOBAL_STEP]
+    trainer.total_batch_idx = loops["total_batch_idx"]
+    trainer._batches_that_stepped = loops["batches_that_stepped"]
+    if loops["epoch_finished"]:
+        trainer.current_epoch = loops["epoch"] + 1
+        trainer._resume_batch_idx = 0
+        trainer._resume_epoch_rng = None
+    else:
+        trainer.current_epoch = loops["epoch"]
+        trainer._resume_batch_idx = loops["batches_done_in_epoch"]
+        trainer._resume_epoch_rng = loops.get("epoch_start_rng")
+    trainer._resume_rng = checkpoint[KEY_RNG]
+    trainer._resume_dataloader_state = loops.get("dataloader")
+    trainer._resume_grads = loops.get("accumulated_grads")
+    trainer._restored_mid_run = trainer._resume_batch_idx > 0
+
+
+def load_module_from_checkpoint(
+    cls: type[LightningModule],
+    checkpoint_path: Union[str, os.PathLike],
+    map_location: Any = None,
+    strict: Optional[bool] = None,
+    **overrides: Any,
+) -> LightningModule:
+    """``cls`` built from the checkpoint's hyper-parameters (``overrides`` win), with its weights loaded."""
+    from trainer_core.plugins.io import TorchCheckpointIO
+
+    path = os.fspath(checkpoint_path)
+    checkpoint = TorchCheckpointIO().load_checkpoint(path, map_location=map_location)
+    validate_checkpoint(checkpoint, path)
+    hparams = {**checkpoint.get(KEY_HPARAMS, {}), **overrides}
+    try:
+        model = cls(**hparams)
+    except TypeError as err:
+        raise CheckpointError(
+            f"{cls.__name__}(**hyper_parameters of {path}) failed: {err}. Pass the missing or changed arguments to "
+            f"load_from_checkpoint as keywords."
+        ) from err
+    model.on_load_checkpoint(checkpoint)
+    strict = True if strict is None else strict
+    check_state_dict_matches(model.state_dict(), checkpoint[KEY_STATE_DICT], path, strict=strict)
+    model.load_state_dict(checkpoint[KEY_STATE_DICT], strict=strict)
+    return model

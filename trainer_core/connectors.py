@@ -1,0 +1,174 @@
+"""Turning the Trainer's arguments into a plugin, callbacks and loggers, once, at construction."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import torch
+
+from trainer_core.callbacks.base import Callback
+from trainer_core.errors import MisconfigurationException
+
+_ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+
+
+def validate_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MisconfigurationException(f"Trainer({name}={value!r}): use a positive integer.")
+    return value
+
+
+def validate_limit(name: str, value: Optional[Union[int, float]]) -> Union[int, float]:
+    """``limit_*_batches`` and ``val_check_interval``: a fraction in [0, 1] or a number of batches."""
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise MisconfigurationException(f"Trainer({name}={value!r}): use a fraction in [0.0, 1.0] or a number of batches.")
+    if isinstance(value, float):
+        if not 0.0 <= value <= 1.0:
+            raise MisconfigurationException(
+                f"Trainer({name}={value!r}): a float is a fraction of the data in [0.0, 1.0]; pass an int for a number of batches."
+            )
+        return value
+    if value < 0:
+        raise MisconfigurationException(f"Trainer({name}={value!r}): a number of batches cannot be negative.")
+    return value
+
+
+def _resolve_device(accelerator: str, devices: Any) -> torch.device:
+    if accelerator not in _ACCELERATORS:
+        raise MisconfigurationException(f"Trainer(accelerator={accelerator!r}): use one of {', '.join(_ACCELERATORS)}.")
+    want_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise MisconfigurationException(f"Trainer(accelerator={accelerator!r}) but no CUDA device is available; use 'cpu'.")
+    if not want_gpu:
+        return torch.device("cpu")
+    index = 0
+    if isinstance(devices, (list, tuple)) and devices:
+        index = int(devices[0])
+    return torch.device("cuda", index)
+
+
+def _device_count(devices: Any) -> int:
+    if devices in ("auto", None):
+        return 1
+    if isinstance(devices, str):
+        devices = -1 if devices.strip() == "-1" else int(devices) if devices.strip().isdigit() else devices
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, int):
+        if devices == -1:
+            return max(1, torch.cuda.device_count())
+        if devices < 1:
+            raise MisconfigurationException(f"Trainer(devices={devices!r}): use a positive number, a list of indices or 'auto'.")
+        return devices
+    raise MisconfigurationException(f"Trainer(devices={devices!r}): use a positive number, a list of indices or 'auto'.")
+
+
+def select_plugin(accelerator: str, strategy: Any, devices: Any, num_nodes: int, plugins: Any) -> Any:
+    """The one training-type plugin of the run, from ``plugins=``/``strategy=`` or the device count."""
+    from trainer_core.plugins import TrainingTypePlugin, plugin_from_name
+    from trainer_core.plugins.io import CheckpointIO
+
+    given = [p for p in _as_list(plugins) if p is not None]
+    checkpoint_io = [p for p in given if isinstance(p, CheckpointIO)]
+    given = [p for p in given if not isinstance(p, CheckpointIO)]
+    if strategy is not None and strategy != "auto":
+        given.append(strategy)
+    if len(given) > 1:
+        raise MisconfigurationException(
+            f"Trainer got {len(given)} training-type plugins ({', '.join(_name(p) for p in given)}); pass exactly one."
+        )
+    n_devices = _device_count(devices)
+    if not isinstance(num_nodes, int) or num_nodes < 1:
+        raise MisconfigurationException(f"Trainer(num_nodes={num_nodes!r}): use a positive integer.")
+    device = _resolve_device(accelerator, devices)
+    if given:
+        plugin = given[0]
+        if isinstance(plugin, str):
+            plugin = plugin_from_name(plugin)
+        elif not isinstance(plugin, TrainingTypePlugin):
+            raise MisconfigurationException(
+                f"Trainer(plugins={plugin!r}): pass a TrainingTypePlugin, a CheckpointIO or a registered plugin name."
+            )
+    else:
+        plugin = plugin_from_name("single_device" if n_devices * num_nodes == 1 else "ddp")
+    if plugin.name == "single_device":
+        if n_devices * num_nodes > 1:
+            raise MisconfigurationException(
+                f"Trainer(devices={devices!r}, num_nodes={num_nodes}) asks for several processes but the plugin is "
+                "'single_device'; pass a distributed plugin such as plugins='ddp'."
+            )
+        if hasattr(plugin, "set_device") and not getattr(plugin, "_device_given", False):
+            plugin.set_device(device)
+    if checkpoint_io:
+        plugin.checkpoint_io = checkpoint_io[-1]
+    return plugin
+
+
+def _name(plugin: Any) -> str:
+    return plugin if isinstance(plugin, str) else type(plugin).__name__
+
+
+def _as_list(obj: Any) -> list[Any]:
+    if obj is None:
+        return []
+    if isinstance(obj, (list, tuple)):
+        return list(obj)
+    return [obj]
+
+
+def configure_callbacks(callbacks: Any, enable_checkpointing: bool, enable_progress_bar: bool) -> list[Callback]:
+    """The user's callbacks plus the defaults, with checkpointing callbacks last (Lightning's order)."""
+    from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
+    from trainer_core.callbacks.progress import TQDMProgressBar
+
+    result = _as_list(callbacks)
+    for cb in result:
+        if not isinstance(cb, Callback):
+            raise MisconfigurationException(f"Trainer(callbacks=...): {type(cb).__name__} is not a trainer_core.callbacks.Callback.")
+    has_checkpoint = any(isinstance(cb, ModelCheckpoint) for cb in result)
+    if has_checkpoint and not enable_checkpointing:
+        raise MisconfigurationException(
+            "Trainer(enable_checkpointing=False) but a ModelCheckpoint is in `callbacks`; remove one of the two."
+        )
+    if enable_checkpointing and not has_checkpoint:
+        result.append(ModelCheckpoint())
+    has_bar = any(isinstance(cb, TQDMProgressBar) for cb in result)
+    if has_bar and not enable_progress_bar:
+        raise MisconfigurationException(
+            "Trainer(enable_progress_bar=False) but a progress bar is in `callbacks`; remove one of the two."
+        )
+    if enable_progress_bar and not has_bar:
+        result.append(TQDMProgressBar())
+    return _reorder(result)
+
+
+def merge_module_callbacks(current: list[Callback], extra: Union[Callback, Sequence[Callback]]) -> list[Callback]:
+    """``configure_callbacks`` results replace the Trainer's callbacks of the same type."""
+    extra_list = _as_list(extra)
+    types = {type(cb) for cb in extra_list}
+    kept = [cb for cb in current if type(cb) not in types]
+    return _reorder(kept + extra_list)
+
+
+def _reorder(callbacks: list[Callback]) -> list[Callback]:
+    from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
+
+    others = [cb for cb in callbacks if not isinstance(cb, ModelCheckpoint)]
+    checkpoints = [cb for cb in callbacks if isinstance(cb, ModelCheckpoint)]
+    return others + checkpoints
+
+
+def configure_loggers(logger: Any, default_root_dir: str) -> list[Any]:
+    """``True``/``None``: TensorBoard if installed, else CSV; ``False``: none; or the user's logger(s)."""
+    from trainer_core.loggers import CSVLogger, TensorBoardLogger, tensorboard_available
+
+    if logger is False:
+        return []
+    if logger is None or logger is True:
+        if tensorboard_available():
+            return [TensorBoardLogger(save_dir=default_root_dir)]
+        return [CSVLogger(save_dir=default_root_dir)]
+    return _as_list(logger)

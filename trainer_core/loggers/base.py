@@ -1,0 +1,54 @@
+"""The logger interface and the versioned folder layout the built-in loggers share."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional, Union
+
+from trainer_core import paths
+
+
+class Logger:
+    """Base class: metrics and hyper-parameters go to ``log_metrics``/``log_hyperparams``."""
+
+    @property
+    def name(self) -> str:
+        return ""
+
+    @property
+    def version(self) -> Union[int, str, None]:
+        return None
+
+    @property
+    def save_dir(self) -> Optional[str]:
+        return None
+
+    @property
+    def log_dir(self) -> Optional[str]:
+        return None
+
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        raise NotImplementedError
+
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def save(self) -> None:
+        """Flush buffered records."""
+
+    def finalize(self, status: str) -> None:
+        """Flush and close at the end of a run (``status`` is ``"success"`` or ``"failed"``)."""
+        self.save()
+
+
+def next_version(root: str, storage_options: Optional[dict[str, Any]] = None) -> int:
+    """One more than the highest ``version_N`` folder under ``root`` (0 when there is none)."""
+    fs, path = paths.resolve(root, **(storage_options or {}))
+    if not fs.exists(path):
+        return 0
+    versions = []
+    for entry in fs.ls(path, detail=False):
+        match = re.fullmatch(r"version_(\d+)", entry.rstrip("/").rsplit("/", 1)[-1])
+        if match:
+            versions.append(int(match.group(1)))
+    return max(versions) + 1 if versions else 0

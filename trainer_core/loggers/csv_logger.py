@@ -1,0 +1,135 @@
+"""``CSVLogger``: metrics to ``metrics.csv`` and hyper-parameters to ``hparams.yaml``, on any fsspec URL."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from typing import Any, Optional, Union
+
+from trainer_core import paths
+from trainer_core.loggers.base import Logger, next_version
+from trainer_core.utilities import rank_zero_only
+
+METRICS_FILE = "metrics.csv"
+HPARAMS_FILE = "hparams.yaml"
+
+
+class CSVLogger(Logger):
+    """Write ``<save_dir>/<name>/version_<n>/metrics.csv`` on global rank 0.
+
+    Rows are buffered and written every ``flush_logs_every_n_steps`` logging calls and at the end
+    of each epoch, so the training step never waits on the file system.
+    """
+
+    def __init__(
+        self,
+        save_dir: Union[str, os.PathLike],
+        name: Optional[str] = "lightning_logs",
+        version: Optional[Union[int, str]] = None,
+        prefix: str = "",
+        flush_logs_every_n_steps: int = 100,
+        storage_options: Optional[dict[str, Any]] = None,
+    ) -> None:
+        self._save_dir = os.fspath(save_dir)
+        self._name = name or ""
+        self._version = version
+        self._prefix = prefix
+        self._flush_every = flush_logs_every_n_steps
+        self._storage_options = storage_options or {}
+        self._rows: list[dict[str, Any]] = []
+        self._keys: list[str] = []
+        self._calls = 0
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir
+
+    @property
+    def root_dir(self) -> str:
+        return paths.join(self._save_dir, self._name) if self._name else self._save_dir
+
+    @property
+    def version(self) -> Union[int, str]:
+        if self._version is None:
+            self._version = next_version(self.root_dir, self._storage_options)
+        return self._version
+
+    @property
+    def log_dir(self) -> str:
+        version = self.version
+        folder = version if isinstance(version, str) else f"version_{version}"
+        return paths.join(self.root_dir, folder)
+
+    @property
+    def metrics_file_path(self) -> str:
+        return paths.join(self.log_dir, METRICS_FILE)
+
+    @rank_zero_only
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        fs, folder = paths.resolve(self.log_dir, **self._storage_options)
+        fs.makedirs(folder, exist_ok=True)
+        # JSON is valid YAML, and needs no YAML library to write.
+        with fs.open(f"{folder}/{HPARAMS_FILE}", "w") as f:
+            json.dump(_plain(params), f, indent=2, sort_keys=True, default=repr)
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        row = {f"{self._prefix}{k}" if self._prefix else k: v for k, v in metrics.items()}
+        row["step"] = step
+        self._rows.append(row)
+        self._calls += 1
+        if self._calls % self._flush_every == 0:
+            self.save()
+
+    @rank_zero_only
+    def save(self) -> None:
+        if not self._rows:
+            return
+        fs, folder = paths.resolve(self.log_dir, **self._storage_options)
+        fs.makedirs(folder, exist_ok=True)
+        path = f"{folder}/{METRICS_FILE}"
+        new_keys = [k for row in self._rows for k in row if k not in self._keys]
+        if new_keys or not fs.exists(path):
+            old_rows = _read_rows(fs, path) if fs.exists(path) else []
+            for key in new_keys:
+                if key not in self._keys:
+                    self._keys.append(key)
+            self._keys = ["step", *sorted(k for k in self._keys if k != "step")]
+            _write_rows(fs, path, self._keys, old_rows + self._rows, mode="w")
+        else:
+            _append_rows(fs, path, self._keys, self._rows)
+        self._rows = []
+
+
+def _plain(params: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in params.items():
+        out[key] = value if isinstance(value, (int, float, str, bool, type(None), list, dict)) else repr(value)
+    return out
+
+
+def _read_rows(fs: Any, path: str) -> list[dict[str, Any]]:
+    with fs.open(path, "r", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _write_rows(fs: Any, path: str, keys: list[str], rows: list[dict[str, Any]], mode: str) -> None:
+    with fs.open(path, mode, newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        if mode == "w":
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def _append_rows(fs: Any, path: str, keys: list[str], rows: list[dict[str, Any]]) -> None:
+    try:
+        _write_rows(fs, path, keys, rows, mode="a")
+    except (NotImplementedError, ValueError, io.UnsupportedOperation):
+        # Object stores cannot append: rewrite the whole file.
+        _write_rows(fs, path, keys, _read_rows(fs, path) + rows, mode="w")

@@ -1,0 +1,480 @@
+"""``LightningModule``: the user's model, its steps and its hooks, with Lightning 2.x names.
+
+Every hook here has the default behaviour Lightning gives it. The Trainer calls a hook only when
+the user (or a subclass of ours) overrides it, unless the default does real work (for example
+``optimizer_step`` and ``backward``), so an empty hook costs nothing on the training step.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from trainer_core.errors import MisconfigurationException
+from trainer_core.utilities import AttributeDict, move_data_to_device, rank_zero_only
+
+if TYPE_CHECKING:
+    from trainer_core.optim import LightningOptimizer
+    from trainer_core.trainer import Trainer
+
+class LightningModule(nn.Module):
+    """A ``torch.nn.Module`` that knows how to train, validate, test and predict itself."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._trainer: Optional[Trainer] = None
+        self._automatic_optimization = True
+        self._hparams: AttributeDict = AttributeDict()
+        self._hparams_initial: AttributeDict = AttributeDict()
+        self._log_hyperparams = True
+
+    # ------------------------------------------------------------------ trainer-facing attributes
+    @property
+    def trainer(self) -> Trainer:
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__qualname__} is not attached to a `Trainer`.")
+        return self._trainer
+
+    @trainer.setter
+    def trainer(self, trainer: Optional[Trainer]) -> None:
+        self._trainer = trainer
+
+    @property
+    def automatic_optimization(self) -> bool:
+        return self._automatic_optimization
+
+    @automatic_optimization.setter
+    def automatic_optimization(self, value: bool) -> None:
+        self._automatic_optimization = bool(value)
+
+    @property
+    def device(self) -> torch.device:
+        for tensor in self.parameters():
+            return tensor.device
+        for tensor in self.buffers():
+            return tensor.device
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        for tensor in self.parameters():
+            return tensor.dtype
+        return torch.get_default_dtype()
+
+    @property
+    def current_epoch(self) -> int:
+        return self._trainer.current_epoch if self._trainer is not None else 0
+
+    @property
+    def global_step(self) -> int:
+        return self._trainer.global_step if self._trainer is not None else 0
+
+    @property
+    def global_rank(self) -> int:
+        return self._trainer.global_rank if self._trainer is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        return self._trainer.local_rank if self._trainer is not None else 0
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def logger(self) -> Any:
+        return self._trainer.logger if self._trainer is not None else None
+
+    @property
+    def loggers(self) -> list[Any]:
+        return self._trainer.loggers if self._trainer is not None else []
+
+    # ------------------------------------------------------------------ hyper-parameters
+    @property
+    def hparams(self) -> AttributeDict:
+        return self._hparams
+
+    @property
+    def hparams_initial(self) -> AttributeDict:
+        return AttributeDict(self._hparams_initial)
+
+    def save_hyperparameters(
+        self,
+        *args: Any,
+        ignore: Optional[Union[Sequence[str], str]] = None,
+        frame: Optional[Any] = None,
+        logger: bool = True,
+    ) -> None:
+        """Store the arguments of the calling ``__init__`` in ``self.hparams``.
+
+        With no arguments every init argument is kept; with names, only those; with one dict or
+        ``argparse.Namespace``, that object's items.
+        """
+        self._log_hyperparams = logger
+        if len(args) == 1 and not isinstance(args[0], str):
+            source = args[0]
+            hparams = dict(vars(source)) if hasattr(source, "__dict__") and not isinstance(source, Mapping) else dict(source)
+        else:
+            if frame is None:
+                frame = inspect.currentframe().f_back  # type: ignore[union-attr]
+            init_args = _collect_init_args(frame)
+            if args:
+                missing = [name for name in args if name not in init_args]
+                if missing:
+                    raise ValueError(f"save_hyperparameters: {missing} are not arguments of {type(self).__name__}.__init__.")
+                hparams = {name: init_args[name] for name in args}
+            else:
+                hparams = init_args
+        ignored = [ignore] if isinstance(ignore, str) else list(ignore or [])
+        for name in ignored:
+            hparams.pop(name, None)
+        self._hparams = AttributeDict(hparams)
+        self._hparams_initial = AttributeDict(hparams)
+
+    # ------------------------------------------------------------------ logging
+    def log(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool = False,
+        logger: Optional[bool] = None,
+        on_step: Optional[bool] = None,
+        on_epoch: Optional[bool] = None,
+        reduce_fx: Union[str, Callable] = "mean",
+        enable_graph: bool = False,
+        sync_dist: bool = False,
+        sync_dist_group: Optional[Any] = None,
+        add_dataloader_idx: bool = True,
+        batch_size: Optional[int] = None,
+        metric_attribute: Optional[str] = None,
+        rank_zero_only: bool = False,
+    ) -> None:
+        """Record a metric for the progress bar, the loggers and callbacks (``callback_metrics``).
+
+        Defaults follow Lightning: in ``training_step`` and the train batch hooks a value is
+        logged per step; everywhere else it is reduced over the epoch with ``reduce_fx``.
+        """
+        trainer = self._trainer
+        if trainer is None:
+            return
+        fx = trainer._current_fx
+        if fx is None:
+            raise MisconfigurationException(
+                f"self.log({name!r}, ...) was called outside a hook the Trainer runs; log from a step or an on_* hook."
+            )
+        results = trainer._results
+        if results is None:
+            return
+        results.log(
+            fx,
+            name,
+            value,
+            prog_bar=prog_bar,
+            logger=True if logger is None else logger,
+            on_step=on_step,
+            on_epoch=on_epoch,
+            reduce_fx=reduce_fx,
+            enable_graph=enable_graph,
+            sync_dist=sync_dist,
+            batch_size=batch_size,
+            rank_zero_only=rank_zero_only,
+        )
+
+    def log_dict(
+        self,
+        dictionary: Mapping[str, Any],
+        prog_bar: bool = False,
+        logger: Optional[bool] = None,
+        on_step: Optional[bool] = None,
+        on_epoch: Optional[bool] = None,
+        reduce_fx: Union[str, Callable] = "mean",
+        enable_graph: bool = False,
+        sync_dist: bool = False,
+        sync_dist_group: Optional[Any] = None,
+        add_dataloader_idx: bool = True,
+        batch_size: Optional[int] = None,
+        rank_zero_only: bool = False,
+    ) -> None:
+        """``self.log`` for every item of ``dictionary``."""
+        for name, value in dictionary.items():
+            self.log(
+                name,
+                value,
+                prog_bar=prog_bar,
+                logger=logger,
+                on_step=on_step,
+                on_epoch=on_epoch,
+                reduce_fx=reduce_fx,
+                enable_graph=enable_graph,
+                sync_dist=sync_dist,
+                batch_size=batch_size,
+                rank_zero_only=rank_zero_only,
+            )
+
+    @rank_zero_only
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0 only."""
+        print(*args, **kwargs)
+
+    # ------------------------------------------------------------------ steps
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return super().forward(*args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise MisconfigurationException(
+            f"{type(self).__name__} does not define `training_step`; `Trainer.fit` needs it to compute the loss."
+        )
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Optional: compute and ``self.log`` validation metrics."""
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Optional: compute and ``self.log`` test metrics."""
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Default: the module's forward on the batch (the first element of a tuple/list batch)."""
+        batch = args[0] if args else kwargs.get("batch")
+        if isinstance(batch, (list, tuple)) and batch:
+            batch = batch[0]
+        return self(batch)
+
+    # ------------------------------------------------------------------ optimization
+    def configure_optimizers(self) -> Any:
+        raise MisconfigurationException(
+            f"{type(self).__name__} does not define `configure_optimizers`; return an optimizer (or the forms "
+            "Lightning accepts) from it."
+        )
+
+    def configure_callbacks(self) -> Union[Sequence[Any], Any]:
+        return []
+
+    def configure_model(self) -> None:
+        """Create layers here to build them directly under the plugin (sharded or on device)."""
+
+    def optimizers(self, use_pl_optimizer: bool = True) -> Union[LightningOptimizer, list[LightningOptimizer], Optimizer, list[Optimizer]]:
+        """The optimizers of this run: one, or a list when there are several."""
+        trainer = self.trainer
+        opts: list[Any] = trainer._lightning_optimizers if use_pl_optimizer else trainer.optimizers
+        return opts[0] if len(opts) == 1 else list(opts)
+
+    def lr_schedulers(self) -> Any:
+        """The schedulers of this run: ``None``, one, or a list."""
+        configs = self.trainer.lr_scheduler_configs
+        if not configs:
+            return None
+        schedulers = [config.scheduler for config in configs]
+        return schedulers[0] if len(schedulers) == 1 else schedulers
+
+    def manual_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """Backward with the hooks, precision scaling and plugin handling of the automatic path."""
+        if self._automatic_optimization:
+            raise MisconfigurationException(
+                "manual_backward is for manual optimization; set `self.automatic_optimization = False` in __init__."
+            )
+        self.trainer.plugin.backward(loss, None, *args, **kwargs)
+
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        loss.backward(*args, **kwargs)
+
+    def toggle_optimizer(self, optimizer: Union[Optimizer, LightningOptimizer]) -> None:
+        """Freeze every parameter that ``optimizer`` does not own (for GAN-style alternation)."""
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self._param_requires_grad_state = {}
+        for param in self.parameters():
+            self._param_requires_grad_state[param] = param.requires_grad
+            if id(param) not in owned:
+                param.requires_grad = False
+
+    def untoggle_optimizer(self, optimizer: Union[Optimizer, LightningOptimizer]) -> None:
+        """Undo ``toggle_optimizer``."""
+        for param, requires_grad in getattr(self, "_param_requires_grad_state", {}).items():
+            param.requires_grad = requires_grad
+        self._param_requires_grad_state = {}
+
+    def clip_gradients(
+        self,
+        optimizer: Union[Optimizer, LightningOptimizer],
+        gradient_clip_val: Optional[Union[int, float]] = None,
+        gradient_clip_algorithm: Optional[str] = None,
+    ) -> None:
+        """Clip this module's gradients by norm (default) or by value, through the plugin."""
+        if gradient_clip_val is None or gradient_clip_val == 0:
+            return
+        algorithm = gradient_clip_algorithm or "norm"
+        if algorithm not in ("norm", "value"):
+            raise MisconfigurationException(
+                f"gradient_clip_algorithm={algorithm!r} is not known; use 'norm' or 'value'."
+            )
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        self.trainer.plugin.clip_gradients(optimizer, float(gradient_clip_val), algorithm)
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: Optimizer,
+        gradient_clip_val: Optional[Union[int, float]] = None,
+        gradient_clip_algorithm: Optional[str] = None,
+    ) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def optimizer_step(
+        self,
+        epoch: int,
+        batch_idx: int,
+        optimizer: Union[Optimizer, LightningOptimizer],
+        optimizer_closure: Optional[Callable[[], Any]] = None,
+    ) -> None:
+        optimizer.step(closure=optimizer_closure)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Optimizer) -> None:
+        optimizer.zero_grad()
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Optional[Any]) -> None:
+        if metric is None:
+            scheduler.step()
+        else:
+            scheduler.step(metric)
+
+    # ------------------------------------------------------------------ data
+    def prepare_data(self) -> None:
+        """Download or prepare data once per node (rank 0 of each node)."""
+
+    def setup(self, stage: str) -> None:
+        """Called on every process at the start of fit/validate/test/predict."""
+
+    def teardown(self, stage: str) -> None:
+        """Called on every process at the end of fit/validate/test/predict."""
+
+    def train_dataloader(self) -> Any:
+        raise MisconfigurationException(
+            f"No training data: pass `train_dataloaders=` or a datamodule to `fit`, or define "
+            f"`{type(self).__name__}.train_dataloader`."
+        )
+
+    def val_dataloader(self) -> Any:
+        return []
+
+    def test_dataloader(self) -> Any:
+        raise MisconfigurationException(
+            f"No test data: pass `dataloaders=` or a datamodule to `test`, or define `{type(self).__name__}.test_dataloader`."
+        )
+
+    def predict_dataloader(self) -> Any:
+        raise MisconfigurationException(
+            "No predict data: pass `dataloaders=` or a datamodule to `predict`, or define "
+            f"`{type(self).__name__}.predict_dataloader`."
+        )
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        return move_data_to_device(batch, device)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
+
+    # ------------------------------------------------------------------ checkpoint hooks
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Add to (or edit) the checkpoint dict before it is written."""
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Read what ``on_save_checkpoint`` added, before the state is restored."""
+
+    @classmethod
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path: Any,
+        map_location: Any = None,
+        hparams_file: Any = None,
+        strict: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> LightningModule:
+        """Build the module from the checkpoint's hyper-parameters (``kwargs`` override them) and load its weights."""
+        from trainer_core.checkpointing import load_module_from_checkpoint
+
+        return load_module_from_checkpoint(cls, checkpoint_path, map_location=map_location, strict=strict, **kwargs)
+
+    # ------------------------------------------------------------------ lifecycle hooks (no-ops)
+    def on_fit_start(self) -> None: ...
+    def on_fit_end(self) -> None: ...
+    def on_train_start(self) -> None: ...
+    def on_train_end(self) -> None: ...
+    def on_validation_start(self) -> None: ...
+    def on_validation_end(self) -> None: ...
+    def on_test_start(self) -> None: ...
+    def on_test_end(self) -> None: ...
+    def on_predict_start(self) -> None: ...
+    def on_predict_end(self) -> None: ...
+    def on_train_epoch_start(self) -> None: ...
+    def on_train_epoch_end(self) -> None: ...
+    def on_validation_epoch_start(self) -> None: ...
+    def on_validation_epoch_end(self) -> None: ...
+    def on_test_epoch_start(self) -> None: ...
+    def on_test_epoch_end(self) -> None: ...
+    def on_predict_epoch_start(self) -> None: ...
+    def on_predict_epoch_end(self) -> None: ...
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Optional[int]: ...
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_before_backward(self, loss: Tensor) -> None: ...
+    def on_after_backward(self) -> None: ...
+    def on_before_optimizer_step(self, optimizer: Optimizer) -> None: ...
+    def on_before_zero_grad(self, optimizer: Optimizer) -> None: ...
+
+    def on_validation_model_eval(self) -> None:
+        self.eval()
+
+    def on_validation_model_train(self) -> None:
+        self.train()
+
+    def on_test_model_eval(self) -> None:
+        self.eval()
+
+    def on_test_model_train(self) -> None:
+        self.train()
+
+    def on_predict_model_eval(self) -> None:
+        self.eval()
+
+    # ------------------------------------------------------------------ conveniences
+    def freeze(self) -> None:
+        for param in self.parameters():
+            param.requires_grad = False
+        self.eval()
+
+    def unfreeze(self) -> None:
+        for param in self.parameters():
+            param.requires_grad = True
+        self.train()
+
+
+def _collect_init_args(frame: Any, owner_type: type = nn.Module) -> dict[str, Any]:
+    """The named arguments (and ``**kwargs``) of the ``__init__`` frames from ``frame`` outward.
+
+    Walking outward collects a subclass's and its parents' init arguments, as Lightning does;
+    the innermost frame wins on a name both define.
+    """
+    collected: dict[str, Any] = {}
+    while frame is not None and frame.f_code.co_name == "__init__":
+        info = inspect.getargvalues(frame)
+        local_vars = info.locals
+        if "self" not in local_vars or not isinstance(local_vars["self"], owner_type):
+            break
+        found: dict[str, Any] = {name: local_vars[name] for name in info.args if name != "self" and name in local_vars}
+        if info.keywords and isinstance(local_vars.get(info.keywords), dict):
+            found.update(local_vars[info.keywords])
+        for key, value in found.items():
+            collected.setdefault(key, value)
+        frame = frame.f_back
+    return collected

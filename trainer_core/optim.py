@@ -1,0 +1,208 @@
+"""What ``configure_optimizers`` returns, made into optimizers and scheduler configs.
+
+Lightning accepts six return forms; they all end here as a list of optimizers and a flat list of
+``LRSchedulerConfig``. The flat list is what the checkpoint stores, one state dict per scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from torch.optim import Optimizer
+
+from trainer_core.errors import MisconfigurationException
+
+if TYPE_CHECKING:
+    from trainer_core.plugins import TrainingTypePlugin
+
+_SCHEDULER_KEYS = {"scheduler", "name", "interval", "frequency", "reduce_on_plateau", "monitor", "strict", "opt_idx"}
+
+
+@dataclass
+class LRSchedulerConfig:
+    """One scheduler and when to step it, as Lightning's ``lr_scheduler`` dict describes."""
+
+    scheduler: Any
+    name: Optional[str] = None
+    interval: str = "epoch"
+    frequency: int = 1
+    reduce_on_plateau: bool = False
+    monitor: Optional[str] = None
+    strict: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return callable(getattr(obj, "step", None)) and hasattr(obj, "optimizer") and not isinstance(obj, Optimizer)
+
+
+def _is_plateau(scheduler: Any) -> bool:
+    from torch.optim.lr_scheduler import ReduceLROnPlateau
+
+    return isinstance(scheduler, ReduceLROnPlateau)
+
+
+def _scheduler_config(obj: Any) -> LRSchedulerConfig:
+    if isinstance(obj, Mapping):
+        if "scheduler" not in obj:
+            raise MisconfigurationException(
+                "configure_optimizers: an `lr_scheduler` dict must hold the scheduler under the key 'scheduler'."
+            )
+        unknown = set(obj) - _SCHEDULER_KEYS
+        if unknown:
+            raise MisconfigurationException(
+                f"configure_optimizers: unknown keys {sorted(unknown)} in the `lr_scheduler` dict; "
+                f"the keys are {sorted(_SCHEDULER_KEYS - {'opt_idx'})}."
+            )
+        interval = obj.get("interval", "epoch")
+        if interval not in ("step", "epoch"):
+            raise MisconfigurationException(
+                f"configure_optimizers: lr_scheduler interval={interval!r}; use 'step' or 'epoch'."
+            )
+        frequency = obj.get("frequency", 1)
+        if not isinstance(frequency, int) or frequency < 1:
+            raise MisconfigurationException(
+                f"configure_optimizers: lr_scheduler frequency={frequency!r}; use a positive integer."
+            )
+        scheduler = obj["scheduler"]
+        config = LRSchedulerConfig(
+            scheduler=scheduler,
+            name=obj.get("name"),
+            interval=interval,
+            frequency=frequency,
+            reduce_on_plateau=obj.get("reduce_on_plateau", _is_plateau(scheduler)),
+            monitor=obj.get("monitor"),
+            strict=obj.get("strict", True),
+        )
+    else:
+        config = LRSchedulerConfig(scheduler=obj, reduce_on_plateau=_is_plateau(obj))
+    if not _is_scheduler(config.scheduler):
+        raise MisconfigurationException(
+            f"configure_optimizers: {type(config.scheduler).__name__} is not a learning-rate scheduler "
+            "(it needs `step()` and an `optimizer` attribute)."
+        )
+    if config.reduce_on_plateau and config.monitor is None:
+        raise MisconfigurationException(
+            "configure_optimizers: a ReduceLROnPlateau scheduler needs a metric to watch; return "
+            '{"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss"}}.'
+        )
+    return config
+
+
+def _from_dict(obj: Mapping) -> tuple[list[Optimizer], list[LRSchedulerConfig]]:
+    if "optimizer" not in obj:
+        raise MisconfigurationException(
+            "configure_optimizers: a returned dict must hold the optimizer under the key 'optimizer'."
+        )
+    optimizers = [obj["optimizer"]]
+    schedulers: list[LRSchedulerConfig] = []
+    if obj.get("lr_scheduler") is not None:
+        config = _scheduler_config(obj["lr_scheduler"])
+        if config.monitor is None and obj.get("monitor") is not None:
+            config.monitor = obj["monitor"]
+        schedulers.append(config)
+    return optimizers, schedulers
+
+
+def parse_optimizers(returned: Any) -> tuple[list[Optimizer], list[LRSchedulerConfig]]:
+    """Turn any return form of ``configure_optimizers`` into ``(optimizers, scheduler configs)``.
+
+    The forms: an optimizer; a list/tuple of optimizers; ``([optimizers], [schedulers])``; a dict
+    ``{"optimizer": ..., "lr_scheduler": scheduler | config}``; a list/tuple of such dicts;
+    ``None`` (no optimizer: only for manual optimization).
+    """
+    optimizers: list[Any]
+    schedulers: list[LRSchedulerConfig] = []
+    if returned is None:
+        return [], []
+    if isinstance(returned, Optimizer):
+        optimizers = [returned]
+    elif isinstance(returned, Mapping):
+        optimizers, schedulers = _from_dict(returned)
+    elif (
+        isinstance(returned, (list, tuple))
+        and len(returned) == 2
+        and isinstance(returned[0], (list, tuple))
+        and isinstance(returned[1], (list, tuple))
+    ):
+        optimizers = list(returned[0])
+        schedulers = [_scheduler_config(s) for s in returned[1]]
+    elif isinstance(returned, (list, tuple)) and returned and all(isinstance(o, Mapping) for o in returned):
+        optimizers = []
+        for item in returned:
+            opts, scheds = _from_dict(item)
+            optimizers += opts
+            schedulers += scheds
+    elif isinstance(returned, (list, tuple)) and returned and all(isinstance(o, Optimizer) for o in returned):
+        optimizers = list(returned)
+    else:
+        raise MisconfigurationException(
+            f"configure_optimizers returned {_describe(returned)}, which is not a form it may return: an optimizer; a "
+            "list of optimizers; ([optimizers], [schedulers]); a dict with 'optimizer' and optionally "
+            "'lr_scheduler'; or a list of such dicts."
+        )
+    for opt in optimizers:
+        if not isinstance(opt, Optimizer):
+            raise MisconfigurationException(
+                f"configure_optimizers returned {_describe(opt)} where an optimizer belongs; return a torch.optim.Optimizer."
+            )
+    owned = {id(opt) for opt in optimizers}
+    for config in schedulers:
+        if id(config.scheduler.optimizer) not in owned:
+            raise MisconfigurationException(
+                f"configure_optimizers: the scheduler {type(config.scheduler).__name__} drives an optimizer that "
+                "configure_optimizers did not return; return that optimizer too."
+            )
+    return optimizers, schedulers
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, (list, tuple)):
+        inner = ", ".join(type(o).__name__ for o in obj[:4])
+        return f"a {type(obj).__name__} of ({inner})"
+    return f"a {type(obj).__name__}"
+
+
+class LightningOptimizer:
+    """What ``self.optimizers()`` returns: the optimizer, stepped through the plugin.
+
+    Stepping through the plugin lets precision scaling, ``on_before_optimizer_step`` and sharded
+    wrappers apply under manual optimization exactly as under automatic optimization.
+    """
+
+    def __init__(self, optimizer: Optimizer, plugin: TrainingTypePlugin) -> None:
+        self._optimizer = optimizer
+        self._plugin = plugin
+
+    @property
+    def optimizer(self) -> Optimizer:
+        return self._optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self._optimizer.state
+
+    def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+        return self._plugin.optimizer_step(self._optimizer, closure, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._optimizer.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"LightningOptimizer({self._optimizer!r})"
+

@@ -1,0 +1,32 @@
+"""Seeding every generator a run draws from."""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Optional
+
+import numpy as np
+import torch
+
+_MAX_SEED = np.iinfo(np.uint32).max
+
+
+def seed_everything(seed: Optional[int] = None, workers: bool = False) -> int:
+    """Seed Python's, NumPy's and torch's generators and export the seed to child processes.
+
+    ``workers=True`` also sets ``PL_SEED_WORKERS`` so that DataLoader workers are seeded from
+    the global seed, as in Lightning. Returns the seed used.
+    """
+    if seed is None:
+        env = os.environ.get("PL_GLOBAL_SEED")
+        seed = int(env) if env is not None else random.randint(0, _MAX_SEED)
+    seed = int(seed)
+    if not 0 <= seed <= _MAX_SEED:
+        raise ValueError(f"seed_everything(seed={seed}): the seed must be in [0, {_MAX_SEED}].")
+    os.environ["PL_GLOBAL_SEED"] = str(seed)
+    os.environ["PL_SEED_WORKERS"] = str(int(workers))
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return seed

@@ -1,0 +1,606 @@
+"""``Trainer``: Lightning's arguments and entry points over training-type plugins.
+
+The Trainer owns the loops, the hooks and the checkpoint format; it never touches
+``torch.distributed``: processes, devices, wrapping and collectives belong to the plugin.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any, Callable, Optional, Union
+
+import torch
+from lightning_utilities.core.imports import RequirementCache
+from lightning_utilities.core.overrides import is_overridden
+from torch import nn
+from torch.optim import Optimizer
+
+from trainer_core import loops
+from trainer_core.callbacks.base import Callback
+from trainer_core.datamodule import LightningDataModule
+from trainer_core.errors import MisconfigurationException
+from trainer_core.hooks import Hooks
+from trainer_core.module import LightningModule
+from trainer_core.optim import LightningOptimizer, LRSchedulerConfig
+from trainer_core.precision import Precision
+from trainer_core.results import ResultCollection
+from trainer_core.utilities import rank_zero_only, to_float
+
+_TENSORBOARD_AVAILABLE = RequirementCache("tensorboard")
+
+STAGES = ("fit", "validate", "test", "predict")
+
+
+class Trainer:
+    """Runs a ``LightningModule``'s loops through a training-type plugin."""
+
+    def __init__(
+        self,
+        *,
+        accelerator: str = "auto",
+        strategy: Any = None,
+        devices: Union[int, str, Sequence[int]] = "auto",
+        num_nodes: int = 1,
+        plugins: Any = None,
+        precision: Union[str, int] = "32-true",
+        logger: Any = None,
+        callbacks: Optional[Union[Callback, list[Callback]]] = None,
+        fast_dev_run: Union[bool, int] = False,
+        max_epochs: Optional[int] = None,
+        min_epochs: Optional[int] = None,
+        max_steps: int = -1,
+        min_steps: Optional[int] = None,
+        limit_train_batches: Optional[Union[int, float]] = None,
+        limit_val_batches: Optional[Union[int, float]] = None,
+        limit_test_batches: Optional[Union[int, float]] = None,
+        limit_predict_batches: Optional[Union[int, float]] = None,
+        val_check_interval: Optional[Union[int, float]] = None,
+        check_val_every_n_epoch: Optional[int] = 1,
+        num_sanity_val_steps: Optional[int] = None,
+        log_every_n_steps: Optional[int] = None,
+        enable_checkpointing: Optional[bool] = None,
+        enable_progress_bar: Optional[bool] = None,
+        enable_model_summary: Optional[bool] = None,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: Optional[Union[int, float]] = None,
+        gradient_clip_algorithm: Optional[str] = None,
+        deterministic: Optional[bool] = None,
+        inference_mode: bool = True,
+        use_distributed_sampler: bool = True,
+        default_root_dir: Optional[Union[str, os.PathLike]] = None,
+        optimizer_in_backward: bool = False,
+    ) -> None:
+        from trainer_core.connectors import (
+            select_plugin,
+            validate_limit,
+            validate_positive_int,
+        )
+
+        self.plugin = select_plugin(accelerator, strategy, devices, num_nodes, plugins)
+        self.accelerator = accelerator
+        self.num_nodes = num_nodes
+        self.devices = devices
+        self.plugin.precision = Precision(precision, self.plugin.root_device.type)
+
+        self.fast_dev_run: Union[bool, int] = fast_dev_run
+        n_dev = 0
+        if fast_dev_run:
+            if isinstance(fast_dev_run, bool):
+                n_dev = 1
+            elif isinstance(fast_dev_run, int) and fast_dev_run > 0:
+                n_dev = fast_dev_run
+            else:
+                raise MisconfigurationException(f"Trainer(fast_dev_run={fast_dev_run!r}): use True or a positive number of batches.")
+            limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n_dev
+            max_steps, max_epochs, num_sanity_val_steps, val_check_interval = n_dev, 1, 0, 1.0
+            check_val_every_n_epoch = 1
+            logger = False
+
+        if max_epochs is None:
+            max_epochs = 1000 if max_steps == -1 else -1
+        self.max_epochs: int = max_epochs
+        self.min_epochs: Optional[int] = min_epochs
+        self.max_steps: int = max_steps
+        self.min_steps: Optional[int] = min_steps
+        if not isinstance(max_steps, int) or max_steps < -1:
+            raise MisconfigurationException(f"Trainer(max_steps={max_steps!r}): use -1 (no limit) or a non-negative integer.")
+        self.limit_train_batches = validate_limit("limit_train_batches", limit_train_batches)
+        self.limit_val_batches = validate_limit("limit_val_batches", limit_val_batches)
+        self.limit_test_batches = validate_limit("limit_test_batches", limit_test_batches)
+        self.limit_predict_batches = validate_limit("limit_predict_batches", limit_predict_batches)
+        self.val_check_interval = validate_limit("val_check_interval", val_check_interval)
+        if check_val_every_n_epoch is not None:
+            validate_positive_int("check_val_every_n_epoch", check_val_every_n_epoch)
+        self.check_val_every_n_epoch = check_val_every_n_epoch
+        self.num_sanity_val_steps = 2 if num_sanity_val_steps is None else num_sanity_val_steps
+        if not isinstance(self.num_sanity_val_steps, int) or self.num_sanity_val_steps < -1:
+            raise MisconfigurationException(
+                f"Trainer(num_sanity_val_steps={num_sanity_val_steps!r}): use -1 (all), 0 (none) or a number of batches."
+            )
+        self.log_every_n_steps = validate_positive_int("log_every_n_steps", 50 if log_every_n_steps is None else log_every_n_steps)
+        self.accumulate_grad_batches = validate_positive_int("accumulate_grad_batches", accumulate_grad_batches)
+        if gradient_clip_algorithm not in (None, "norm", "value"):
+            raise MisconfigurationException(
+                f"Trainer(gradient_clip_algorithm={gradient_clip_algorithm!r}): use 'norm' or 'value'."
+            )
+        if gradient_clip_val is not None and (not isinstance(gradient_clip_val, (int, float)) or gradient_clip_val < 0):
+            raise MisconfigurationException(f"Trainer(gradient_clip_val={gradient_clip_val!r}): use a non-negative number.")
+        self.gradient_clip_val = gradient_clip_val
+        self.gradient_clip_algorithm = gradient_clip_algorithm
+        self.optimizer_in_backward = optimizer_in_backward
+        if optimizer_in_backward:
+            raise MisconfigurationException(
+                "Trainer(optimizer_in_backward=True) is not available in this version of trainer-core yet."
+            )
+        self.inference_mode = inference_mode
+        self.use_distributed_sampler = use_distributed_sampler
+        self.deterministic = deterministic
+        if deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=deterministic == "warn")
+
+        self._default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
+        self.enable_model_summary = True if enable_model_summary is None else enable_model_summary
+
+        from trainer_core.connectors import configure_callbacks, configure_loggers
+
+        self.loggers = configure_loggers(logger, self._default_root_dir)
+        self.callbacks: list[Callback] = configure_callbacks(
+            callbacks,
+            enable_checkpointing=True if enable_checkpointing is None else enable_checkpointing,
+            enable_progress_bar=True if enable_progress_bar is None else enable_progress_bar,
+        )
+
+        # State of the run.
+        self.state_stage: Optional[str] = None
+        self.training = False
+        self.sanity_checking = False
+        self.should_stop = False
+        self.interrupted = False
+        self.current_epoch = 0
+        self.global_step = 0
+        self.batch_idx = 0
+        self.total_batch_idx = 0
+        self._batches_that_stepped = 0
+        self.num_training_batches: Union[int, float] = float("inf")
+        self.num_val_batches: list[Union[int, float]] = []
+        self.num_test_batches: list[Union[int, float]] = []
+        self.num_predict_batches: list[Union[int, float]] = []
+        self.train_dataloader: Any = None
+        self.val_dataloaders: Any = None
+        self.test_dataloaders: Any = None
+        self.predict_dataloaders: Any = None
+        self.datamodule: Optional[LightningDataModule] = None
+        self.lightning_module: Optional[LightningModule] = None
+        self.ckpt_path: Optional[str] = None
+
+        # Metrics as the user reads them, and the collection the running stage logs into.
+        self._callback_metrics: dict[str, Any] = {}
+        self._logged_metrics: dict[str, Any] = {}
+        self._progress_bar_metrics: dict[str, Any] = {}
+        self._results: Optional[ResultCollection] = None
+        self._train_results = ResultCollection(training=True)
+        self._current_fx: Optional[str] = None
+
+        # Per-run dispatch, built in ``_setup_run``.
+        self._hooks: Hooks = None  # type: ignore[assignment]
+        self._lightning_optimizers: list[LightningOptimizer] = []
+        self._after_closure: Optional[Callable[[Optimizer], None]] = None
+        self._loaded_checkpoint: Optional[dict[str, Any]] = None
+        self._closure: Optional[Callable[[], Any]] = None
+
+        # Loop positions the fit loop and checkpoints share.
+        self._train_source: Any = None
+        self._val_loaders_for_fit: list[Any] = []
+        self._resume_batch_idx = 0
+        self._restored_mid_run = False
+        self._is_last_batch = False
+        self._eval_step = 0
+        self.val_check_batch: Union[int, float] = float("inf")
+        self._batches_done_in_epoch = 0
+        self._epoch_finished = False
+        self._epoch_start_rng: Optional[dict[str, Any]] = None
+        # Set by a restore, consumed by the first epoch after it.
+        self._resume_rng: Optional[dict[str, Any]] = None
+        self._resume_epoch_rng: Optional[dict[str, Any]] = None
+        self._resume_dataloader_state: Any = None
+        self._resume_grads: Optional[dict[str, Any]] = None
+
+    # ------------------------------------------------------------------ entry points
+    def fit(
+        self,
+        model: LightningModule,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        datamodule: Optional[LightningDataModule] = None,
+        ckpt_path: Optional[Union[str, os.PathLike]] = None,
+    ) -> None:
+        """Train ``model``; with ``ckpt_path`` (a path or ``"last"``), continue the run it saved."""
+        model = _check_module(model, "fit")
+        if isinstance(train_dataloaders, LightningDataModule):
+            datamodule, train_dataloaders = train_dataloaders, None
+        if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
+            raise MisconfigurationException("fit: pass either dataloaders or `datamodule=`, not both.")
+        self.plugin.connect(model)
+        self._run_stage(
+            "fit", model, datamodule,
+            lambda: loops.run_fit(self, train_dataloaders, val_dataloaders, ckpt_path),
+        )
+
+    def validate(
+        self,
+        model: Optional[LightningModule] = None,
+        dataloaders: Any = None,
+        ckpt_path: Optional[Union[str, os.PathLike]] = None,
+        verbose: bool = True,
+        datamodule: Optional[LightningDataModule] = None,
+    ) -> list[dict[str, float]]:
+        """Run the validation loop once; returns one dict of epoch metrics per dataloader."""
+        return self._evaluate("validate", model, dataloaders, ckpt_path, verbose, datamodule)
+
+    def test(
+        self,
+        model: Optional[LightningModule] = None,
+        dataloaders: Any = None,
+        ckpt_path: Optional[Union[str, os.PathLike]] = None,
+        verbose: bool = True,
+        datamodule: Optional[LightningDataModule] = None,
+    ) -> list[dict[str, float]]:
+        """Run the test loop once; returns one dict of epoch metrics per dataloader."""
+        return self._evaluate("test", model, dataloaders, ckpt_path, verbose, datamodule)
+
+    def predict(
+        self,
+        model: Optional[LightningModule] = None,
+        dataloaders: Any = None,
+        datamodule: Optional[LightningDataModule] = None,
+        return_predictions: Optional[bool] = None,
+        ckpt_path: Optional[Union[str, os.PathLike]] = None,
+    ) -> Optional[list[Any]]:
+        """Run ``predict_step`` over the data; returns the predictions (a list per dataloader if several)."""
+        model = self._model_for("predict", model)
+        if isinstance(dataloaders, LightningDataModule):
+            datamodule, dataloaders = dataloaders, None
+        self.plugin.connect(model)
+        return self._run_stage(
+            "predict", model, datamodule,
+            lambda: loops.run_predict(self, dataloaders, ckpt_path, return_predictions),
+        )
+
+    def _evaluate(self, stage: str, model: Optional[LightningModule], dataloaders: Any, ckpt_path: Any,
+                  verbose: bool, datamodule: Optional[LightningDataModule]) -> list[dict[str, float]]:
+        model = self._model_for(stage, model)
+        if isinstance(dataloaders, LightningDataModule):
+            datamodule, dataloaders = dataloaders, None
+        self.plugin.connect(model)
+        return self._run_stage(
+            stage, model, datamodule, lambda: loops.run_evaluation(self, stage, dataloaders, ckpt_path, verbose)
+        )
+
+    def _model_for(self, stage: str, model: Optional[LightningModule]) -> LightningModule:
+        if model is None:
+            if self.lightning_module is None:
+                raise MisconfigurationException(
+                    f"`trainer.{stage}()` needs a model: pass one, or call it after `trainer.fit(model)`."
+                )
+            return self.lightning_module
+        return _check_module(model, stage)
+
+    def _run_stage(self, stage: str, model: LightningModule, datamodule: Optional[LightningDataModule],
+                   body: Callable[[], Any]) -> Any:
+        self.state_stage = stage
+        self.training = stage == "fit"
+        self.should_stop = False
+        self.interrupted = False
+        self.lightning_module = model
+        self.datamodule = datamodule
+        if datamodule is not None:
+            datamodule.trainer = self
+        model.trainer = self
+        return self.plugin.launch(self._guarded, stage, body)
+
+    def _guarded(self, stage: str, body: Callable[[], Any]) -> Any:
+        try:
+            return body()
+        except BaseException as exc:
+            self.interrupted = isinstance(exc, KeyboardInterrupt)
+            module = self.lightning_module
+            for cb in self.callbacks:
+                if is_overridden("on_exception", cb, Callback):
+                    cb.on_exception(self, module, exc)
+            try:
+                self._teardown(stage)
+            finally:
+                for lg in self.loggers:
+                    lg.finalize("failed")
+            raise
+        finally:
+            self.training = False
+            self.sanity_checking = False
+
+    # ------------------------------------------------------------------ run setup and teardown
+    def _setup_run(self, stage: str) -> None:
+        """Hooks in Lightning's order: callbacks, data, setup, model, plugin (optimizers)."""
+        from trainer_core.connectors import merge_module_callbacks
+
+        module = self.lightning_module
+        assert module is not None
+        self._current_fx = "configure_callbacks"
+        extra = module.configure_callbacks()
+        if extra:
+            self.callbacks = merge_module_callbacks(self.callbacks, extra)
+        self.plugin.setup_environment()
+        if self.local_rank == 0:
+            if self.datamodule is not None and is_overridden("prepare_data", self.datamodule, LightningDataModule):
+                self.datamodule.prepare_data()
+            self._call_module_hook("prepare_data")
+        self.plugin.barrier("prepare_data")
+        if self.datamodule is not None:
+            self.datamodule.setup(stage=stage)
+        self._call_callback_hooks("setup", stage=stage)
+        self._call_module_hook("setup", stage=stage)
+        self._call_module_hook("configure_model")
+        self.plugin.setup(self)
+        self._lightning_optimizers = [LightningOptimizer(opt, self.plugin) for opt in self.plugin.optimizers]
+        if stage == "fit":
+            self._check_optimization(module)
+        self._hooks = Hooks(self, module, self.callbacks)
+        self._after_closure = self._make_after_closure(module)
+        self._train_results.plugin = self.plugin
+
+    def _check_optimization(self, module: LightningModule) -> None:
+        if module.automatic_optimization and len(self.plugin.optimizers) > 1:
+            raise MisconfigurationException(
+                f"configure_optimizers returned {len(self.plugin.optimizers)} optimizers: several optimizers need "
+                "manual optimization. Set `self.automatic_optimization = False` and step each in `training_step`."
+            )
+        if not module.automatic_optimization:
+            if self.accumulate_grad_batches != 1:
+                raise MisconfigurationException(
+                    "Trainer(accumulate_grad_batches) does not apply under manual optimization; accumulate in "
+                    "`training_step` by stepping the optimizer every N batches."
+                )
+            if self.gradient_clip_val:
+                raise MisconfigurationException(
+                    "Trainer(gradient_clip_val) does not apply under manual optimization; call "
+                    "`self.clip_gradients(opt, gradient_clip_val=...)` in `training_step`."
+                )
+        if is_overridden("training_step", module, LightningModule) is False:
+            raise MisconfigurationException(
+                f"{type(module).__name__} does not define `training_step`; `Trainer.fit` needs it to compute the loss."
+            )
+
+    def _make_after_closure(self, module: LightningModule) -> Optional[Callable[[Optimizer], None]]:
+        """What runs between the backward and the parameter update, or ``None`` when nothing does."""
+        hooks = self._hooks.on_before_optimizer_step
+        clip = module.automatic_optimization and (
+            bool(self.gradient_clip_val) or is_overridden("configure_gradient_clipping", module, LightningModule)
+        )
+        if not hooks and not clip:
+            return None
+
+        def after_closure(optimizer: Optimizer) -> None:
+            if hooks:
+                self._run_hooks("on_before_optimizer_step", hooks, optimizer)
+            if clip:
+                self._current_fx = "configure_gradient_clipping"
+                module.configure_gradient_clipping(
+                    optimizer,
+                    gradient_clip_val=self.gradient_clip_val,
+                    gradient_clip_algorithm=self.gradient_clip_algorithm,
+                )
+
+        return after_closure
+
+    def _teardown(self, stage: str) -> None:
+        self._call_callback_hooks("teardown", stage=stage)
+        if self.lightning_module is not None:
+            self._call_module_hook("teardown", stage=stage)
+        if self.datamodule is not None:
+            self.datamodule.teardown(stage=stage)
+        self.plugin.teardown()
+        self._results = None
+        self._current_fx = None
+
+    # ------------------------------------------------------------------ hook dispatch
+    def _call_module_hook(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        previous, self._current_fx = self._current_fx, name
+        try:
+            return getattr(module, name)(*args, **kwargs)
+        finally:
+            self._current_fx = previous
+
+    def _call_callback_hooks(self, name: str, *args: Any, **kwargs: Any) -> None:
+        module = self.lightning_module
+        previous, self._current_fx = self._current_fx, name
+        try:
+            for cb in self.callbacks:
+                getattr(cb, name)(self, module, *args, **kwargs)
+        finally:
+            self._current_fx = previous
+
+    def _call_hooks(self, name: str, *args: Any) -> None:
+        """A non-batch hook on every callback, then on the module (Lightning's order)."""
+        self._call_callback_hooks(name, *args)
+        self._call_module_hook(name, *args)
+
+    def _run_hooks(self, name: str, fns: tuple[Callable[..., Any], ...], *args: Any) -> Any:
+        """Run the pre-selected callables of a batch-level hook; returns the last result."""
+        self._current_fx = name
+        result = None
+        for fn in fns:
+            result = fn(*args)
+        return result
+
+    # ------------------------------------------------------------------ metrics
+    @property
+    def callback_metrics(self) -> dict[str, Any]:
+        """Every metric logged so far (latest step values and epoch aggregates), for callbacks."""
+        results = self._results
+        if results is not None and results.training and results.step_dirty:
+            callback, _, pbar = results.step_metrics()
+            self._callback_metrics.update(callback)
+            self._progress_bar_metrics.update({k: to_float(v) for k, v in pbar.items()})
+        return self._callback_metrics
+
+    @property
+    def logged_metrics(self) -> dict[str, Any]:
+        """The metrics last sent to the loggers."""
+        return self._logged_metrics
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, float]:
+        """The metrics logged with ``prog_bar=True``, as numbers."""
+        self.callback_metrics  # noqa: B018 - brings the latest step values in
+        return self._progress_bar_metrics
+
+    def _publish_epoch_metrics(self, results: ResultCollection, log: bool, step: Optional[int] = None) -> dict[str, Any]:
+        """Compute a stage's epoch aggregates, expose them to callbacks and send them to the loggers."""
+        callback, logged, pbar = results.epoch_metrics()
+        self._callback_metrics.update(callback)
+        self._progress_bar_metrics.update({k: to_float(v) for k, v in pbar.items()})
+        if log and logged:
+            self._log_metrics(logged, self._batches_that_stepped if step is None else step)
+        return callback
+
+    def _log_metrics(self, metrics: dict[str, Any], step: int) -> None:
+        scalars = {k: to_float(v) for k, v in metrics.items()}
+        self._logged_metrics.update(scalars)
+        if not self.loggers:
+            return
+        scalars.setdefault("epoch", self.current_epoch)
+        for lg in self.loggers:
+            lg.log_metrics(scalars, step=step)
+
+    # ------------------------------------------------------------------ properties users read
+    @property
+    def strategy(self) -> Any:
+        """Lightning's name for the plugin."""
+        return self.plugin
+
+    @property
+    def precision(self) -> str:
+        return self.plugin.precision.name
+
+    @property
+    def model(self) -> Optional[nn.Module]:
+        return self.plugin.model
+
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        return self.plugin.optimizers
+
+    @property
+    def lr_scheduler_configs(self) -> list[LRSchedulerConfig]:
+        return self.plugin.lr_scheduler_configs
+
+    @property
+    def global_rank(self) -> int:
+        return self.plugin.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.plugin.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        return self.plugin.node_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.plugin.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.plugin.is_global_zero
+
+    @property
+    def num_devices(self) -> int:
+        return max(1, self.plugin.world_size // max(1, self.num_nodes))
+
+    @property
+    def default_root_dir(self) -> str:
+        return self._default_root_dir
+
+    @property
+    def logger(self) -> Any:
+        return self.loggers[0] if self.loggers else None
+
+    @property
+    def log_dir(self) -> Optional[str]:
+        if self.logger is not None:
+            return getattr(self.logger, "log_dir", None) or self.logger.save_dir
+        return self._default_root_dir
+
+    @property
+    def validating(self) -> bool:
+        return self.state_stage == "validate" or (self.state_stage == "fit" and self._results is not self._train_results and self._results is not None)
+
+    @property
+    def testing(self) -> bool:
+        return self.state_stage == "test"
+
+    @property
+    def predicting(self) -> bool:
+        return self.state_stage == "predict"
+
+    @property
+    def checkpoint_callbacks(self) -> list[Callback]:
+        from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
+
+        return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
+
+    @property
+    def checkpoint_callback(self) -> Optional[Callback]:
+        found = self.checkpoint_callbacks
+        return found[0] if found else None
+
+    @property
+    def progress_bar_callback(self) -> Optional[Callback]:
+        from trainer_core.callbacks.progress import TQDMProgressBar
+
+        for cb in self.callbacks:
+            if isinstance(cb, TQDMProgressBar):
+                return cb
+        return None
+
+    @property
+    def estimated_stepping_batches(self) -> Union[int, float]:
+        """Optimizer steps the fit will take (for schedulers such as OneCycleLR)."""
+        if self.max_steps != -1:
+            return self.max_steps
+        if self.train_dataloader is None and self.state_stage == "fit" and self.lightning_module is not None:
+            loops._ensure_train_dataloader(self)
+        if math.isinf(self.num_training_batches) or self.max_epochs == -1:
+            return float("inf")
+        per_epoch = math.ceil(self.num_training_batches / self.accumulate_grad_batches)
+        return per_epoch * self.max_epochs
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, filepath: Union[str, os.PathLike], weights_only: bool = False,
+                        storage_options: Optional[Any] = None) -> None:
+        """Write a checkpoint of the run to ``filepath`` (every rank must call this)."""
+        if self.lightning_module is None:
+            raise MisconfigurationException("save_checkpoint needs a model: call it during or after `trainer.fit(model)`.")
+        from trainer_core.checkpointing import dump_checkpoint
+
+        checkpoint = dump_checkpoint(self, weights_only)
+        self.plugin.save_checkpoint(checkpoint, os.fspath(filepath), storage_options=storage_options)
+        self.plugin.barrier("save_checkpoint")
+
+    @rank_zero_only
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        print(*args, **kwargs)
+
+
+def _check_module(model: Any, stage: str) -> LightningModule:
+    if not isinstance(model, LightningModule):
+        raise MisconfigurationException(
+            f"`trainer.{stage}()` needs a trainer_core.LightningModule, got {type(model).__name__}."
+        )
+    return model
+

@@ -1,0 +1,87 @@
+"""Small helpers the trainer layer shares."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import os
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
+
+__all__ = [
+    "AttributeDict",
+    "extract_batch_size",
+    "move_data_to_device",
+    "rank_zero_only",
+    "rank_zero_warn",
+    "to_float",
+]
+
+
+def _rank_from_env() -> int:
+    # A process started by torchrun or SLURM knows its rank before any plugin runs.
+    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        value = os.environ.get(key)
+        if value is not None:
+            return int(value)
+    return 0
+
+
+rank_zero_only.rank = getattr(rank_zero_only, "rank", _rank_from_env())
+
+
+class AttributeDict(dict):
+    """A dict whose keys read as attributes, as Lightning's ``hparams`` do."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError as err:
+            raise AttributeError(f"'{type(self).__name__}' has no attribute '{key}'") from err
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
+
+    def __delattr__(self, key: str) -> None:
+        del self[key]
+
+
+def move_data_to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) batch to ``device``; non-blocking from pinned memory."""
+    non_blocking = device.type == "cuda"
+
+    def _move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=non_blocking)
+
+    return apply_to_collection(batch, torch.Tensor, _move)
+
+
+def extract_batch_size(batch: Any) -> int:
+    """The size of the first dimension of the first tensor found in ``batch`` (1 if none)."""
+    if isinstance(batch, torch.Tensor):
+        return 1 if batch.ndim == 0 else batch.size(0)
+    if isinstance(batch, str):
+        return len(batch)
+    if isinstance(batch, Mapping):
+        for value in batch.values():
+            size = extract_batch_size(value)
+            if size:
+                return size
+        return 1
+    if isinstance(batch, (list, tuple)):
+        for value in batch:
+            size = extract_batch_size(value)
+            if size:
+                return size
+        return 1
+    return 1
+
+
+def to_float(value: Any) -> float:
+    """A logged value as a Python float, for loggers and the progress bar."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return float(value)
