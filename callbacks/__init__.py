@@ -16,5 +16,7 @@ _PLANNED = {"EarlyStopping", "LearningRateMonitor", "Timer"}
 
 def __getattr__(name: str) -> Any:
     if name in _PLANNED:
-        raise ImportError(f"trainer_core.callbacks.{name} is not available in this version of trainer-core yet.")
+        raise ImportError(
+            f"trainer_core.callbacks.{name} is not available in this version of trainer-core yet."
+        )
     raise AttributeError(f"module 'trainer_core.callbacks' has no attribute {name!r}")

@@ -51,7 +51,9 @@ class ModelCheckpoint(Callback):
         if mode not in _MODES:
             raise MisconfigurationException(f"ModelCheckpoint(mode={mode!r}): use 'min' or 'max'.")
         if save_top_k < -1:
-            raise MisconfigurationException(f"ModelCheckpoint(save_top_k={save_top_k}): use -1 (all), 0 (none) or more.")
+            raise MisconfigurationException(
+                f"ModelCheckpoint(save_top_k={save_top_k}): use -1 (all), 0 (none) or more."
+            )
         if monitor is None and save_top_k not in (-1, 0, 1):
             raise MisconfigurationException(
                 f"ModelCheckpoint(save_top_k={save_top_k}) ranks checkpoints by a metric; set `monitor=` too."
@@ -62,7 +64,9 @@ class ModelCheckpoint(Callback):
             )
         for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
             if value is not None and (not isinstance(value, int) or value < 0):
-                raise MisconfigurationException(f"ModelCheckpoint({name}={value!r}): use a non-negative integer.")
+                raise MisconfigurationException(
+                    f"ModelCheckpoint({name}={value!r}): use a non-negative integer."
+                )
         self.dirpath: Optional[str] = str(dirpath) if dirpath is not None else None
         self.filename = filename
         self.monitor = monitor
@@ -73,7 +77,9 @@ class ModelCheckpoint(Callback):
         self.mode = mode
         self.auto_insert_metric_name = auto_insert_metric_name
         self._every_n_train_steps = every_n_train_steps or 0
-        self._every_n_epochs = 1 if every_n_epochs is None and not every_n_train_steps else (every_n_epochs or 0)
+        self._every_n_epochs = (
+            1 if every_n_epochs is None and not every_n_train_steps else (every_n_epochs or 0)
+        )
         self._save_on_train_epoch_end = save_on_train_epoch_end
         self._enable_version_counter = enable_version_counter
 
@@ -90,7 +96,9 @@ class ModelCheckpoint(Callback):
     @property
     def state_key(self) -> str:
         return self._generate_state_key(
-            monitor=self.monitor, mode=self.mode, every_n_train_steps=self._every_n_train_steps,
+            monitor=self.monitor,
+            mode=self.mode,
+            every_n_train_steps=self._every_n_train_steps,
             every_n_epochs=self._every_n_epochs,
         )
 
@@ -101,8 +109,9 @@ class ModelCheckpoint(Callback):
             self.dirpath = paths.join(root, "checkpoints")
         self.dirpath = trainer.plugin.broadcast(self.dirpath)
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._skip(trainer) or not self._every_n_train_steps:
             return
         if trainer.global_step % self._every_n_train_steps != 0:
@@ -110,11 +119,19 @@ class ModelCheckpoint(Callback):
         self._save(trainer, self._metrics(trainer))
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not self._skip(trainer) and self._should_save_on_train_epoch_end(trainer) and self._epoch_due(trainer):
+        if (
+            not self._skip(trainer)
+            and self._should_save_on_train_epoch_end(trainer)
+            and self._epoch_due(trainer)
+        ):
             self._save(trainer, self._metrics(trainer))
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.state_stage != "fit" or self._skip(trainer) or self._should_save_on_train_epoch_end(trainer):
+        if (
+            trainer.state_stage != "fit"
+            or self._skip(trainer)
+            or self._should_save_on_train_epoch_end(trainer)
+        ):
             return
         if self._epoch_due(trainer):
             self._save(trainer, self._metrics(trainer))
@@ -218,7 +235,9 @@ class ModelCheckpoint(Callback):
         if dropped is not None and dropped != filepath:
             self._remove(trainer, dropped)
         if self.verbose and trainer.is_global_zero:
-            print(f"Epoch {trainer.current_epoch}, step {trainer.global_step}: {self.monitor} reached {float(current):.5g}; saved {filepath}")
+            print(
+                f"Epoch {trainer.current_epoch}, step {trainer.global_step}: {self.monitor} reached {float(current):.5g}; saved {filepath}"
+            )
 
     def _improves_top_k(self, current: torch.Tensor) -> bool:
         if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
@@ -273,12 +292,11 @@ class ModelCheckpoint(Callback):
     def _unique_path(self, filepath: str) -> str:
         if not self._enable_version_counter or filepath in self._written:
             return filepath
-        fs, path = paths.resolve(filepath)
+        fs, _ = paths.resolve(filepath)
         stem = filepath[: -len(CHECKPOINT_EXT)]
         version = 1
         candidate = filepath
         while fs.exists(paths.resolve(candidate)[1]):
             candidate = f"{stem}-v{version}{CHECKPOINT_EXT}"
             version += 1
-        del path
         return candidate

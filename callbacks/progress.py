@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 class _Bar(_tqdm):
     """A tqdm bar whose postfix comes from a function, called only when the bar is drawn."""
 
-    def __init__(self, *args: Any, metrics: Optional[Callable[[], dict[str, Any]]] = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, metrics: Optional[Callable[[], dict[str, Any]]] = None, **kwargs: Any
+    ) -> None:
         self._metrics_fn = metrics
         super().__init__(*args, **kwargs)
 
@@ -50,8 +52,13 @@ def _total(n: Any) -> Optional[int]:
 class TQDMProgressBar(Callback):
     """Progress bars like Lightning's: ``refresh_rate`` batches per update (0 disables it)."""
 
-    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False,
-                 file: Optional[TextIO] = None) -> None:
+    def __init__(
+        self,
+        refresh_rate: int = 1,
+        process_position: int = 0,
+        leave: bool = False,
+        file: Optional[TextIO] = None,
+    ) -> None:
         if not isinstance(refresh_rate, int) or refresh_rate < 0:
             raise ValueError(f"TQDMProgressBar(refresh_rate={refresh_rate!r}): use a non-negative integer.")
         self.refresh_rate = refresh_rate
@@ -95,7 +102,9 @@ class TQDMProgressBar(Callback):
             dynamic_ncols=True,
             file=self._file or sys.stderr,
             smoothing=0,
-            metrics=(lambda: self.get_metrics(trainer, trainer.lightning_module)) if trainer is not None else None,
+            metrics=(lambda: self.get_metrics(trainer, trainer.lightning_module))
+            if trainer is not None
+            else None,
         )
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -114,8 +123,9 @@ class TQDMProgressBar(Callback):
         self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}", refresh=False)
         self.train_progress_bar.initial = trainer._resume_batch_idx
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         bar = self.train_progress_bar
         if bar is None:
             return
@@ -138,16 +148,27 @@ class TQDMProgressBar(Callback):
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.is_enabled:
             return
-        total = sum(n for n in trainer.num_val_batches if not math.isinf(n)) if trainer.num_val_batches else None
+        total = (
+            sum(n for n in trainer.num_val_batches if not math.isinf(n)) if trainer.num_val_batches else None
+        )
         if trainer.sanity_checking:
-            total = sum(min(n, trainer.num_sanity_val_steps) if trainer.num_sanity_val_steps >= 0 else n
-                        for n in trainer.num_val_batches)
+            total = sum(
+                min(n, trainer.num_sanity_val_steps) if trainer.num_sanity_val_steps >= 0 else n
+                for n in trainer.num_val_batches
+            )
         desc = "Sanity Checking" if trainer.sanity_checking else "Validation"
         has_main = self.train_progress_bar is not None
         self.val_progress_bar = self._new_bar(desc, total, 1 if has_main else 0, not has_main)
 
-    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                                batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         if self.val_progress_bar is not None:
             self.val_progress_bar.update(1)
 
@@ -162,8 +183,15 @@ class TQDMProgressBar(Callback):
         if self.is_enabled:
             self.test_progress_bar = self._new_bar("Testing", sum(trainer.num_test_batches), 0, True)
 
-    def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                          batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_test_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         if self.test_progress_bar is not None:
             self.test_progress_bar.update(1)
 
@@ -176,8 +204,15 @@ class TQDMProgressBar(Callback):
         if self.is_enabled:
             self.predict_progress_bar = self._new_bar("Predicting", sum(trainer.num_predict_batches), 0, True)
 
-    def on_predict_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                             batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_predict_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         if self.predict_progress_bar is not None:
             self.predict_progress_bar.update(1)
 
@@ -187,7 +222,14 @@ class TQDMProgressBar(Callback):
             self.predict_progress_bar = None
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        for bar in (self.train_progress_bar, self.val_progress_bar, self.test_progress_bar, self.predict_progress_bar):
+        for bar in (
+            self.train_progress_bar,
+            self.val_progress_bar,
+            self.test_progress_bar,
+            self.predict_progress_bar,
+        ):
             if bar is not None:
                 bar.close()
-        self.train_progress_bar = self.val_progress_bar = self.test_progress_bar = self.predict_progress_bar = None
+        self.train_progress_bar = self.val_progress_bar = self.test_progress_bar = (
+            self.predict_progress_bar
+        ) = None

@@ -34,5 +34,7 @@ _PLANNED = {
 
 def __getattr__(name: str) -> Any:
     if name in _PLANNED:
-        raise ImportError(f"trainer_core.plugins.{name} is not available in this version of trainer-core yet.")
+        raise ImportError(
+            f"trainer_core.plugins.{name} is not available in this version of trainer-core yet."
+        )
     raise AttributeError(f"module 'trainer_core.plugins' has no attribute {name!r}")

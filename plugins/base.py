@@ -139,7 +139,11 @@ class TrainingTypePlugin:
     def setup_optimizers(self, trainer: Trainer) -> None:
         returned = trainer._call_module_hook("configure_optimizers")
         optimizers, configs = parse_optimizers(returned)
-        if not optimizers and self._lightning_module is not None and self._lightning_module.automatic_optimization:
+        if (
+            not optimizers
+            and self._lightning_module is not None
+            and self._lightning_module.automatic_optimization
+        ):
             raise MisconfigurationException(
                 "configure_optimizers returned None: automatic optimization needs an optimizer. Return one, or set "
                 "`self.automatic_optimization = False`."
@@ -202,7 +206,9 @@ class TrainingTypePlugin:
             trainer._run_hooks("on_after_backward", hooks.on_after_backward)
         return loss
 
-    def optimizer_step(self, optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any
+    ) -> Any:
         """Step ``optimizer``; the closure runs the forward and backward first.
 
         ``on_before_optimizer_step`` and gradient clipping run after the closure (when the
@@ -214,7 +220,7 @@ class TrainingTypePlugin:
         if after is not None:
             inner = closure
 
-            def closure() -> Any:  # noqa: F811 - the wrapped closure replaces the user's
+            def closure() -> Any:
                 result = inner() if inner is not None else None
                 after(optimizer)
                 return result
@@ -278,7 +284,9 @@ class TrainingTypePlugin:
         optimizer.load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ checkpoint files
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str, storage_options: Optional[Any] = None
+    ) -> None:
         """Write ``checkpoint``; a monolithic file is written by global rank 0 only."""
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)

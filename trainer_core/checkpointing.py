@@ -154,9 +154,12 @@ def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, A
     if not weights_only:
         names = parameter_names(module)
         checkpoint[KEY_OPTIMIZER_STATES] = [
-            optimizer_state_to_names(plugin.optimizer_state(opt), _inner(opt), names) for opt in plugin.optimizers
+            optimizer_state_to_names(plugin.optimizer_state(opt), _inner(opt), names)
+            for opt in plugin.optimizers
         ]
-        checkpoint[KEY_LR_SCHEDULERS] = [config.scheduler.state_dict() for config in plugin.lr_scheduler_configs]
+        checkpoint[KEY_LR_SCHEDULERS] = [
+            config.scheduler.state_dict() for config in plugin.lr_scheduler_configs
+        ]
         checkpoint[KEY_LOOPS] = loop_state(trainer)
         checkpoint[KEY_CALLBACKS] = {}
         for cb in trainer.callbacks:
@@ -196,14 +199,18 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: Union[str, os.PathLike]) -> O
         if found is not None:
             candidates.append(found)
     if not candidates:
-        rank_zero_warn('fit(ckpt_path="last") found no complete checkpoint; training starts from the beginning.')
+        rank_zero_warn(
+            'fit(ckpt_path="last") found no complete checkpoint; training starts from the beginning.'
+        )
         return None
     if len(candidates) == 1:
         return candidates[0]
     return max(candidates, key=lambda p: io.saved_at(p) if hasattr(io, "saved_at") else 0.0)
 
 
-def restore_checkpoint(trainer: Trainer, ckpt_path: Union[str, os.PathLike], weights_only: bool = False) -> None:
+def restore_checkpoint(
+    trainer: Trainer, ckpt_path: Union[str, os.PathLike], weights_only: bool = False
+) -> None:
     """Load ``ckpt_path`` into the run: all checks first, then every change at once."""
     path = resolve_ckpt_path(trainer, ckpt_path)
     if path is None:
@@ -225,7 +232,8 @@ def restore_checkpoint(trainer: Trainer, ckpt_path: Union[str, os.PathLike], wei
             )
         names = parameter_names(module)
         optimizer_states = [
-            optimizer_state_from_names(state, _inner(opt), names, path) for state, opt in zip(saved, plugin.optimizers)
+            optimizer_state_from_names(state, _inner(opt), names, path)
+            for state, opt in zip(saved, plugin.optimizers)
         ]
         schedulers = checkpoint[KEY_LR_SCHEDULERS]
         if len(schedulers) != len(plugin.lr_scheduler_configs):

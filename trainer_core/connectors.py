@@ -24,7 +24,9 @@ def validate_limit(name: str, value: Optional[Union[int, float]]) -> Union[int, 
     if value is None:
         return 1.0
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise MisconfigurationException(f"Trainer({name}={value!r}): use a fraction in [0.0, 1.0] or a number of batches.")
+        raise MisconfigurationException(
+            f"Trainer({name}={value!r}): use a fraction in [0.0, 1.0] or a number of batches."
+        )
     if isinstance(value, float):
         if not 0.0 <= value <= 1.0:
             raise MisconfigurationException(
@@ -38,10 +40,14 @@ def validate_limit(name: str, value: Optional[Union[int, float]]) -> Union[int, 
 
 def _resolve_device(accelerator: str, devices: Any) -> torch.device:
     if accelerator not in _ACCELERATORS:
-        raise MisconfigurationException(f"Trainer(accelerator={accelerator!r}): use one of {', '.join(_ACCELERATORS)}.")
+        raise MisconfigurationException(
+            f"Trainer(accelerator={accelerator!r}): use one of {', '.join(_ACCELERATORS)}."
+        )
     want_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise MisconfigurationException(f"Trainer(accelerator={accelerator!r}) but no CUDA device is available; use 'cpu'.")
+        raise MisconfigurationException(
+            f"Trainer(accelerator={accelerator!r}) but no CUDA device is available; use 'cpu'."
+        )
     if not want_gpu:
         return torch.device("cpu")
     index = 0
@@ -61,9 +67,13 @@ def _device_count(devices: Any) -> int:
         if devices == -1:
             return max(1, torch.cuda.device_count())
         if devices < 1:
-            raise MisconfigurationException(f"Trainer(devices={devices!r}): use a positive number, a list of indices or 'auto'.")
+            raise MisconfigurationException(
+                f"Trainer(devices={devices!r}): use a positive number, a list of indices or 'auto'."
+            )
         return devices
-    raise MisconfigurationException(f"Trainer(devices={devices!r}): use a positive number, a list of indices or 'auto'.")
+    raise MisconfigurationException(
+        f"Trainer(devices={devices!r}): use a positive number, a list of indices or 'auto'."
+    )
 
 
 def select_plugin(accelerator: str, strategy: Any, devices: Any, num_nodes: int, plugins: Any) -> Any:
@@ -119,7 +129,9 @@ def _as_list(obj: Any) -> list[Any]:
     return [obj]
 
 
-def configure_callbacks(callbacks: Any, enable_checkpointing: bool, enable_progress_bar: bool) -> list[Callback]:
+def configure_callbacks(
+    callbacks: Any, enable_checkpointing: bool, enable_progress_bar: bool
+) -> list[Callback]:
     """The user's callbacks plus the defaults, with checkpointing callbacks last (Lightning's order)."""
     from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
     from trainer_core.callbacks.progress import TQDMProgressBar
@@ -127,7 +139,9 @@ def configure_callbacks(callbacks: Any, enable_checkpointing: bool, enable_progr
     result = _as_list(callbacks)
     for cb in result:
         if not isinstance(cb, Callback):
-            raise MisconfigurationException(f"Trainer(callbacks=...): {type(cb).__name__} is not a trainer_core.callbacks.Callback.")
+            raise MisconfigurationException(
+                f"Trainer(callbacks=...): {type(cb).__name__} is not a trainer_core.callbacks.Callback."
+            )
     has_checkpoint = any(isinstance(cb, ModelCheckpoint) for cb in result)
     if has_checkpoint and not enable_checkpointing:
         raise MisconfigurationException(
@@ -145,7 +159,9 @@ def configure_callbacks(callbacks: Any, enable_checkpointing: bool, enable_progr
     return _reorder(result)
 
 
-def merge_module_callbacks(current: list[Callback], extra: Union[Callback, Sequence[Callback]]) -> list[Callback]:
+def merge_module_callbacks(
+    current: list[Callback], extra: Union[Callback, Sequence[Callback]]
+) -> list[Callback]:
     """``configure_callbacks`` results replace the Trainer's callbacks of the same type."""
     extra_list = _as_list(extra)
     types = {type(cb) for cb in extra_list}

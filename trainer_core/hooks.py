@@ -47,7 +47,9 @@ class Hooks:
     def __init__(self, trainer: Trainer, module: LightningModule, callbacks: list[Callback]) -> None:
         for name in BATCH_HOOKS:
             fns: list[Hook] = [
-                partial(getattr(cb, name), trainer, module) for cb in callbacks if is_overridden(name, cb, Callback)
+                partial(getattr(cb, name), trainer, module)
+                for cb in callbacks
+                if is_overridden(name, cb, Callback)
             ]
             if is_overridden(name, module, LightningModule):
                 fns.append(getattr(module, name))

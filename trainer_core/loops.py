@@ -26,7 +26,12 @@ from trainer_core.utilities import rank_zero_warn, to_float
 if TYPE_CHECKING:
     from trainer_core.trainer import Trainer
 
-_KIND_HOOK = {"train": "train_dataloader", "val": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
+_KIND_HOOK = {
+    "train": "train_dataloader",
+    "val": "val_dataloader",
+    "test": "test_dataloader",
+    "predict": "predict_dataloader",
+}
 
 
 # ---------------------------------------------------------------------- data
@@ -50,8 +55,12 @@ def resolve_dataloaders(trainer: Trainer, kind: str, given: Any) -> list[Any]:
         )
     for loader in loaders:
         if not hasattr(loader, "__iter__"):
-            raise MisconfigurationException(f"`{hook}` returned a {type(loader).__name__}, which cannot be iterated; return a DataLoader.")
-    return [trainer.plugin.process_dataloader(loader, kind, trainer.use_distributed_sampler) for loader in loaders]
+            raise MisconfigurationException(
+                f"`{hook}` returned a {type(loader).__name__}, which cannot be iterated; return a DataLoader."
+            )
+    return [
+        trainer.plugin.process_dataloader(loader, kind, trainer.use_distributed_sampler) for loader in loaders
+    ]
 
 
 def num_batches(loader: Any, limit: Union[int, float], name: str) -> Union[int, float]:
@@ -88,7 +97,9 @@ def _with_last_flag(iterator: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
 
 def _transfer(trainer: Trainer, batch: Any, dataloader_idx: int) -> Any:
     batch = trainer._call_module_hook("on_before_batch_transfer", batch, dataloader_idx)
-    batch = trainer._call_module_hook("transfer_batch_to_device", batch, trainer.plugin.root_device, dataloader_idx)
+    batch = trainer._call_module_hook(
+        "transfer_batch_to_device", batch, trainer.plugin.root_device, dataloader_idx
+    )
     return trainer._call_module_hook("on_after_batch_transfer", batch, dataloader_idx)
 
 
@@ -148,7 +159,11 @@ def _ensure_train_dataloader(t: Trainer) -> None:
     t.num_training_batches = num_batches(loader, t.limit_train_batches, "limit_train_batches")
     if isinstance(t.val_check_interval, int):
         t.val_check_batch = t.val_check_interval
-        if not math.isinf(t.num_training_batches) and t.val_check_batch > t.num_training_batches and t.check_val_every_n_epoch is not None:
+        if (
+            not math.isinf(t.num_training_batches)
+            and t.val_check_batch > t.num_training_batches
+            and t.check_val_every_n_epoch is not None
+        ):
             raise MisconfigurationException(
                 f"Trainer(val_check_interval={t.val_check_interval}) is more than the {t.num_training_batches} "
                 "training batches of an epoch; lower it, or set check_val_every_n_epoch=None to count across epochs."
@@ -166,7 +181,9 @@ def _setup_val(t: Trainer, given: Any) -> list[Any]:
     loaders = resolve_dataloaders(t, "val", given)
     loaders = [dl for dl in loaders if dl is not None]
     if loaders and not is_overridden("validation_step", t.lightning_module, _base_module()):
-        rank_zero_warn("Validation data was given but the module has no `validation_step`; validation is skipped.")
+        rank_zero_warn(
+            "Validation data was given but the module has no `validation_step`; validation is skipped."
+        )
         loaders = []
     t.val_dataloaders = loaders[0] if len(loaders) == 1 else loaders
     t.num_val_batches = [num_batches(dl, t.limit_val_batches, "limit_val_batches") for dl in loaders]
@@ -232,7 +249,6 @@ def _should_check_val(t: Trainer, batch_idx: int, is_last: bool) -> bool:
 def _train_epoch(t: Trainer, val_loaders: list[Any]) -> None:
     """One training epoch: batches, validation checks, then the epoch-end hooks."""
     module = t.lightning_module
-    plugin = t.plugin
     hooks = t._hooks
     assert module is not None
     t._val_loaders_for_fit = val_loaders
@@ -244,7 +260,10 @@ def _train_epoch(t: Trainer, val_loaders: list[Any]) -> None:
     if callable(getattr(sampler, "set_epoch", None)):
         sampler.set_epoch(t.current_epoch)
     batch_sampler = getattr(loader, "batch_sampler", None)
-    if callable(getattr(getattr(batch_sampler, "sampler", None), "set_epoch", None)) and batch_sampler.sampler is not sampler:
+    if (
+        callable(getattr(getattr(batch_sampler, "sampler", None), "set_epoch", None))
+        and batch_sampler.sampler is not sampler
+    ):
         batch_sampler.sampler.set_epoch(t.current_epoch)
 
     module.train()
@@ -403,7 +422,9 @@ def update_lr_schedulers(t: Trainer, interval: str, plateau: bool) -> None:
                         f"ReduceLROnPlateau watches {config.monitor!r}, which was not logged (logged metrics: "
                         f"{available}). Log it with self.log({config.monitor!r}, ...) or change `monitor`."
                     )
-                rank_zero_warn(f"ReduceLROnPlateau watches {config.monitor!r}, which was not logged; the scheduler did not step.")
+                rank_zero_warn(
+                    f"ReduceLROnPlateau watches {config.monitor!r}, which was not logged; the scheduler did not step."
+                )
                 continue
         t._call_module_hook("lr_scheduler_step", config.scheduler, metric)
 
@@ -442,8 +463,12 @@ def _make_step(t: Trainer) -> Callable[[Any, int, bool], Any]:
     backward = plugin.backward
     optimizer_step = plugin.optimizer_step
     no_sync = plugin.no_backward_sync
-    step_schedulers = any(c.interval == "step" and not c.reduce_on_plateau for c in plugin.lr_scheduler_configs)
-    epoch_schedulers = any(c.interval == "epoch" and not c.reduce_on_plateau for c in plugin.lr_scheduler_configs)
+    step_schedulers = any(
+        c.interval == "step" and not c.reduce_on_plateau for c in plugin.lr_scheduler_configs
+    )
+    epoch_schedulers = any(
+        c.interval == "epoch" and not c.reduce_on_plateau for c in plugin.lr_scheduler_configs
+    )
     state: dict[str, Any] = {}
 
     def closure() -> Optional[Tensor]:
@@ -525,8 +550,9 @@ def _validate_in_fit(t: Trainer, val_loaders: list[Any]) -> None:
 
 
 # ---------------------------------------------------------------------- evaluation
-def run_eval_loop(t: Trainer, prefix: str, loaders: list[Any], limits: list[Union[int, float]],
-                  log: bool) -> list[dict[str, Any]]:
+def run_eval_loop(
+    t: Trainer, prefix: str, loaders: list[Any], limits: list[Union[int, float]], log: bool
+) -> list[dict[str, Any]]:
     """One pass of ``validation`` or ``test`` over ``loaders``; returns epoch metrics per loader."""
     module = t.lightning_module
     plugin = t.plugin
@@ -592,8 +618,14 @@ def _split_per_loader(metrics: dict[str, Any], count: int) -> list[dict[str, Any
     ]
 
 
-def run_evaluation(t: Trainer, stage: str, dataloaders: Any, ckpt_path: Any, verbose: bool) -> list[dict[str, float]]:
-    kind, prefix, limit_name = ("val", "validation", "limit_val_batches") if stage == "validate" else ("test", "test", "limit_test_batches")
+def run_evaluation(
+    t: Trainer, stage: str, dataloaders: Any, ckpt_path: Any, verbose: bool
+) -> list[dict[str, float]]:
+    kind, prefix, limit_name = (
+        ("val", "validation", "limit_val_batches")
+        if stage == "validate"
+        else ("test", "test", "limit_test_batches")
+    )
     t._setup_run(stage)
     if ckpt_path is not None:
         from trainer_core.checkpointing import restore_checkpoint
@@ -636,7 +668,9 @@ def _print_results(stage: str, results: list[dict[str, float]]) -> None:
 
 
 # ---------------------------------------------------------------------- prediction
-def run_predict(t: Trainer, dataloaders: Any, ckpt_path: Any, return_predictions: Optional[bool]) -> Optional[list[Any]]:
+def run_predict(
+    t: Trainer, dataloaders: Any, ckpt_path: Any, return_predictions: Optional[bool]
+) -> Optional[list[Any]]:
     t._setup_run("predict")
     if ckpt_path is not None:
         from trainer_core.checkpointing import restore_checkpoint
@@ -667,12 +701,16 @@ def run_predict(t: Trainer, dataloaders: Any, ckpt_path: Any, return_predictions
                 if move is not None:
                     batch = move(batch, dl_idx)
                 if hooks.on_predict_batch_start:
-                    t._run_hooks("on_predict_batch_start", hooks.on_predict_batch_start, batch, batch_idx, *extra)
+                    t._run_hooks(
+                        "on_predict_batch_start", hooks.on_predict_batch_start, batch, batch_idx, *extra
+                    )
                 t._current_fx = "predict_step"
                 with precision.forward_context():
                     out = plugin.predict_step(batch, batch_idx, *extra)
                 if hooks.on_predict_batch_end:
-                    t._run_hooks("on_predict_batch_end", hooks.on_predict_batch_end, out, batch, batch_idx, *extra)
+                    t._run_hooks(
+                        "on_predict_batch_end", hooks.on_predict_batch_end, out, batch, batch_idx, *extra
+                    )
                 if keep:
                     predictions.append(out)
             all_predictions.append(predictions)

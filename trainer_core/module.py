@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from trainer_core.optim import LightningOptimizer
     from trainer_core.trainer import Trainer
 
+
 class LightningModule(nn.Module):
     """A ``torch.nn.Module`` that knows how to train, validate, test and predict itself."""
 
@@ -118,7 +119,11 @@ class LightningModule(nn.Module):
         self._log_hyperparams = logger
         if len(args) == 1 and not isinstance(args[0], str):
             source = args[0]
-            hparams = dict(vars(source)) if hasattr(source, "__dict__") and not isinstance(source, Mapping) else dict(source)
+            hparams = (
+                dict(vars(source))
+                if hasattr(source, "__dict__") and not isinstance(source, Mapping)
+                else dict(source)
+            )
         else:
             if frame is None:
                 frame = inspect.currentframe().f_back  # type: ignore[union-attr]
@@ -126,7 +131,9 @@ class LightningModule(nn.Module):
             if args:
                 missing = [name for name in args if name not in init_args]
                 if missing:
-                    raise ValueError(f"save_hyperparameters: {missing} are not arguments of {type(self).__name__}.__init__.")
+                    raise ValueError(
+                        f"save_hyperparameters: {missing} are not arguments of {type(self).__name__}.__init__."
+                    )
                 hparams = {name: init_args[name] for name in args}
             else:
                 hparams = init_args
@@ -256,7 +263,9 @@ class LightningModule(nn.Module):
     def configure_model(self) -> None:
         """Create layers here to build them directly under the plugin (sharded or on device)."""
 
-    def optimizers(self, use_pl_optimizer: bool = True) -> Union[LightningOptimizer, list[LightningOptimizer], Optimizer, list[Optimizer]]:
+    def optimizers(
+        self, use_pl_optimizer: bool = True
+    ) -> Union[LightningOptimizer, list[LightningOptimizer], Optimizer, list[Optimizer]]:
         """The optimizers of this run: one, or a list when there are several."""
         trainer = self.trainer
         opts: list[Any] = trainer._lightning_optimizers if use_pl_optimizer else trainer.optimizers
@@ -398,7 +407,9 @@ class LightningModule(nn.Module):
         """Build the module from the checkpoint's hyper-parameters (``kwargs`` override them) and load its weights."""
         from trainer_core.checkpointing import load_module_from_checkpoint
 
-        return load_module_from_checkpoint(cls, checkpoint_path, map_location=map_location, strict=strict, **kwargs)
+        return load_module_from_checkpoint(
+            cls, checkpoint_path, map_location=map_location, strict=strict, **kwargs
+        )
 
     # ------------------------------------------------------------------ lifecycle hooks (no-ops)
     def on_fit_start(self) -> None: ...
@@ -422,11 +433,17 @@ class LightningModule(nn.Module):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Optional[int]: ...
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
     def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
-    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_validation_batch_end(
+        self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None: ...
     def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
-    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_batch_end(
+        self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None: ...
     def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
-    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_batch_end(
+        self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None: ...
     def on_before_backward(self, loss: Tensor) -> None: ...
     def on_after_backward(self) -> None: ...
     def on_before_optimizer_step(self, optimizer: Optimizer) -> None: ...
@@ -471,7 +488,9 @@ def _collect_init_args(frame: Any, owner_type: type = nn.Module) -> dict[str, An
         local_vars = info.locals
         if "self" not in local_vars or not isinstance(local_vars["self"], owner_type):
             break
-        found: dict[str, Any] = {name: local_vars[name] for name in info.args if name != "self" and name in local_vars}
+        found: dict[str, Any] = {
+            name: local_vars[name] for name in info.args if name != "self" and name in local_vars
+        }
         if info.keywords and isinstance(local_vars.get(info.keywords), dict):
             found.update(local_vars[info.keywords])
         for key, value in found.items():

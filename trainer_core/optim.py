@@ -17,7 +17,16 @@ from trainer_core.errors import MisconfigurationException
 if TYPE_CHECKING:
     from trainer_core.plugins import TrainingTypePlugin
 
-_SCHEDULER_KEYS = {"scheduler", "name", "interval", "frequency", "reduce_on_plateau", "monitor", "strict", "opt_idx"}
+_SCHEDULER_KEYS = {
+    "scheduler",
+    "name",
+    "interval",
+    "frequency",
+    "reduce_on_plateau",
+    "monitor",
+    "strict",
+    "opt_idx",
+}
 
 
 @dataclass
@@ -35,7 +44,9 @@ class LRSchedulerConfig:
 
 
 def _is_scheduler(obj: Any) -> bool:
-    return callable(getattr(obj, "step", None)) and hasattr(obj, "optimizer") and not isinstance(obj, Optimizer)
+    return (
+        callable(getattr(obj, "step", None)) and hasattr(obj, "optimizer") and not isinstance(obj, Optimizer)
+    )
 
 
 def _is_plateau(scheduler: Any) -> bool:
@@ -205,4 +216,3 @@ class LightningOptimizer:
 
     def __repr__(self) -> str:
         return f"LightningOptimizer({self._optimizer!r})"
-

@@ -72,9 +72,13 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def optimizer_step(self, optimizer: Optimizer, closure: Optional[Callable[[], Any]], **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Optional[Callable[[], Any]], **kwargs: Any
+    ) -> Any:
         if self.scaler is None:
-            return optimizer.step(closure=closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
+            return (
+                optimizer.step(closure=closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
+            )
         # A scaler must see the gradients before stepping, so the closure runs first, outside step().
         result = closure() if closure is not None else None
         self.scaler.step(optimizer, **kwargs)

@@ -37,7 +37,9 @@ STEP_HOOKS = frozenset(
         "lr_scheduler_step",
     }
 )
-NO_LOG_HOOKS = frozenset({"predict_step", "on_predict_batch_start", "on_predict_batch_end", "on_predict_epoch_end"})
+NO_LOG_HOOKS = frozenset(
+    {"predict_step", "on_predict_batch_start", "on_predict_batch_end", "on_predict_epoch_end"}
+)
 
 _REDUCE_FX: dict[Any, str] = {
     "mean": "mean",
@@ -72,8 +74,18 @@ class LoggedMetric:
         "total",
     )
 
-    def __init__(self, fx: str, name: str, prog_bar: bool, logger: bool, on_step: bool, on_epoch: bool,
-                 reduce_fx: str, sync_dist: bool, rank_zero_only: bool) -> None:
+    def __init__(
+        self,
+        fx: str,
+        name: str,
+        prog_bar: bool,
+        logger: bool,
+        on_step: bool,
+        on_epoch: bool,
+        reduce_fx: str,
+        sync_dist: bool,
+        rank_zero_only: bool,
+    ) -> None:
         self.fx = fx
         self.name = name
         self.prog_bar = prog_bar
@@ -182,7 +194,9 @@ class ResultCollection:
             name = name + self.name_suffix
         metric = self.metrics.get(name)
         if metric is None or metric.fx != fx:
-            metric = self._register(fx, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, rank_zero_only)
+            metric = self._register(
+                fx, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, rank_zero_only
+            )
         if isinstance(value, Tensor):
             if not enable_graph:
                 value = value.detach()
@@ -192,17 +206,31 @@ class ResultCollection:
                 )
         if metric.on_step:
             if metric.sync_dist and self.plugin is not None and self.plugin.world_size > 1:
-                value = self.plugin.reduce(_as_tensor(value), reduce_op="mean" if metric.reduce_fx == "mean" else metric.reduce_fx)
+                value = self.plugin.reduce(
+                    _as_tensor(value), reduce_op="mean" if metric.reduce_fx == "mean" else metric.reduce_fx
+                )
             metric.step_value = value
             self.step_dirty = True
         if metric.on_epoch:
             metric.accumulate(value, batch_size if batch_size is not None else self._current_batch_size())
 
-    def _register(self, fx: str, name: str, value: Any, prog_bar: bool, logger: bool, on_step: Optional[bool],
-                  on_epoch: Optional[bool], reduce_fx: Union[str, Callable], sync_dist: bool,
-                  rank_zero_only: bool) -> LoggedMetric:
+    def _register(
+        self,
+        fx: str,
+        name: str,
+        value: Any,
+        prog_bar: bool,
+        logger: bool,
+        on_step: Optional[bool],
+        on_epoch: Optional[bool],
+        reduce_fx: Union[str, Callable],
+        sync_dist: bool,
+        rank_zero_only: bool,
+    ) -> LoggedMetric:
         if fx in NO_LOG_HOOKS:
-            raise MisconfigurationException(f"self.log({name!r}, ...) is not supported in `{fx}`: prediction logs nothing.")
+            raise MisconfigurationException(
+                f"self.log({name!r}, ...) is not supported in `{fx}`: prediction logs nothing."
+            )
         if not isinstance(value, (Tensor, int, float)) or isinstance(value, bool):
             raise MisconfigurationException(
                 f"self.log({name!r}, value) in `{fx}` got a {type(value).__name__}; log a number or a scalar tensor."
@@ -216,12 +244,16 @@ class ResultCollection:
         on_step = step_default if on_step is None else on_step
         on_epoch = (not step_default) if on_epoch is None else on_epoch
         if not on_step and not on_epoch:
-            raise MisconfigurationException(f"self.log({name!r}, on_step=False, on_epoch=False) logs nothing; set one of them.")
+            raise MisconfigurationException(
+                f"self.log({name!r}, on_step=False, on_epoch=False) logs nothing; set one of them."
+            )
         if reduce_fx not in _REDUCE_FX:
             raise MisconfigurationException(
                 f"self.log({name!r}, reduce_fx={reduce_fx!r}) is not supported; use 'mean', 'sum', 'max' or 'min'."
             )
-        metric = LoggedMetric(fx, name, prog_bar, logger, on_step, on_epoch, _REDUCE_FX[reduce_fx], sync_dist, rank_zero_only)
+        metric = LoggedMetric(
+            fx, name, prog_bar, logger, on_step, on_epoch, _REDUCE_FX[reduce_fx], sync_dist, rank_zero_only
+        )
         self.metrics[name] = metric
         return metric
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -92,7 +92,9 @@ class Trainer:
             elif isinstance(fast_dev_run, int) and fast_dev_run > 0:
                 n_dev = fast_dev_run
             else:
-                raise MisconfigurationException(f"Trainer(fast_dev_run={fast_dev_run!r}): use True or a positive number of batches.")
+                raise MisconfigurationException(
+                    f"Trainer(fast_dev_run={fast_dev_run!r}): use True or a positive number of batches."
+                )
             limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n_dev
             max_steps, max_epochs, num_sanity_val_steps, val_check_interval = n_dev, 1, 0, 1.0
             check_val_every_n_epoch = 1
@@ -105,7 +107,9 @@ class Trainer:
         self.max_steps: int = max_steps
         self.min_steps: Optional[int] = min_steps
         if not isinstance(max_steps, int) or max_steps < -1:
-            raise MisconfigurationException(f"Trainer(max_steps={max_steps!r}): use -1 (no limit) or a non-negative integer.")
+            raise MisconfigurationException(
+                f"Trainer(max_steps={max_steps!r}): use -1 (no limit) or a non-negative integer."
+            )
         self.limit_train_batches = validate_limit("limit_train_batches", limit_train_batches)
         self.limit_val_batches = validate_limit("limit_val_batches", limit_val_batches)
         self.limit_test_batches = validate_limit("limit_test_batches", limit_test_batches)
@@ -119,14 +123,22 @@ class Trainer:
             raise MisconfigurationException(
                 f"Trainer(num_sanity_val_steps={num_sanity_val_steps!r}): use -1 (all), 0 (none) or a number of batches."
             )
-        self.log_every_n_steps = validate_positive_int("log_every_n_steps", 50 if log_every_n_steps is None else log_every_n_steps)
-        self.accumulate_grad_batches = validate_positive_int("accumulate_grad_batches", accumulate_grad_batches)
+        self.log_every_n_steps = validate_positive_int(
+            "log_every_n_steps", 50 if log_every_n_steps is None else log_every_n_steps
+        )
+        self.accumulate_grad_batches = validate_positive_int(
+            "accumulate_grad_batches", accumulate_grad_batches
+        )
         if gradient_clip_algorithm not in (None, "norm", "value"):
             raise MisconfigurationException(
                 f"Trainer(gradient_clip_algorithm={gradient_clip_algorithm!r}): use 'norm' or 'value'."
             )
-        if gradient_clip_val is not None and (not isinstance(gradient_clip_val, (int, float)) or gradient_clip_val < 0):
-            raise MisconfigurationException(f"Trainer(gradient_clip_val={gradient_clip_val!r}): use a non-negative number.")
+        if gradient_clip_val is not None and (
+            not isinstance(gradient_clip_val, (int, float)) or gradient_clip_val < 0
+        ):
+            raise MisconfigurationException(
+                f"Trainer(gradient_clip_val={gradient_clip_val!r}): use a non-negative number."
+            )
         self.gradient_clip_val = gradient_clip_val
         self.gradient_clip_algorithm = gradient_clip_algorithm
         self.optimizer_in_backward = optimizer_in_backward
@@ -225,7 +237,9 @@ class Trainer:
             raise MisconfigurationException("fit: pass either dataloaders or `datamodule=`, not both.")
         self.plugin.connect(model)
         self._run_stage(
-            "fit", model, datamodule,
+            "fit",
+            model,
+            datamodule,
             lambda: loops.run_fit(self, train_dataloaders, val_dataloaders, ckpt_path),
         )
 
@@ -265,18 +279,30 @@ class Trainer:
             datamodule, dataloaders = dataloaders, None
         self.plugin.connect(model)
         return self._run_stage(
-            "predict", model, datamodule,
+            "predict",
+            model,
+            datamodule,
             lambda: loops.run_predict(self, dataloaders, ckpt_path, return_predictions),
         )
 
-    def _evaluate(self, stage: str, model: Optional[LightningModule], dataloaders: Any, ckpt_path: Any,
-                  verbose: bool, datamodule: Optional[LightningDataModule]) -> list[dict[str, float]]:
+    def _evaluate(
+        self,
+        stage: str,
+        model: Optional[LightningModule],
+        dataloaders: Any,
+        ckpt_path: Any,
+        verbose: bool,
+        datamodule: Optional[LightningDataModule],
+    ) -> list[dict[str, float]]:
         model = self._model_for(stage, model)
         if isinstance(dataloaders, LightningDataModule):
             datamodule, dataloaders = dataloaders, None
         self.plugin.connect(model)
         return self._run_stage(
-            stage, model, datamodule, lambda: loops.run_evaluation(self, stage, dataloaders, ckpt_path, verbose)
+            stage,
+            model,
+            datamodule,
+            lambda: loops.run_evaluation(self, stage, dataloaders, ckpt_path, verbose),
         )
 
     def _model_for(self, stage: str, model: Optional[LightningModule]) -> LightningModule:
@@ -288,8 +314,13 @@ class Trainer:
             return self.lightning_module
         return _check_module(model, stage)
 
-    def _run_stage(self, stage: str, model: LightningModule, datamodule: Optional[LightningDataModule],
-                   body: Callable[[], Any]) -> Any:
+    def _run_stage(
+        self,
+        stage: str,
+        model: LightningModule,
+        datamodule: Optional[LightningDataModule],
+        body: Callable[[], Any],
+    ) -> Any:
         self.state_stage = stage
         self.training = stage == "fit"
         self.should_stop = False
@@ -333,7 +364,9 @@ class Trainer:
             self.callbacks = merge_module_callbacks(self.callbacks, extra)
         self.plugin.setup_environment()
         if self.local_rank == 0:
-            if self.datamodule is not None and is_overridden("prepare_data", self.datamodule, LightningDataModule):
+            if self.datamodule is not None and is_overridden(
+                "prepare_data", self.datamodule, LightningDataModule
+            ):
                 self.datamodule.prepare_data()
             self._call_module_hook("prepare_data")
         self.plugin.barrier("prepare_data")
@@ -376,7 +409,8 @@ class Trainer:
         """What runs between the backward and the parameter update, or ``None`` when nothing does."""
         hooks = self._hooks.on_before_optimizer_step
         clip = module.automatic_optimization and (
-            bool(self.gradient_clip_val) or is_overridden("configure_gradient_clipping", module, LightningModule)
+            bool(self.gradient_clip_val)
+            or is_overridden("configure_gradient_clipping", module, LightningModule)
         )
         if not hooks and not clip:
             return None
@@ -458,7 +492,9 @@ class Trainer:
         self.callback_metrics  # noqa: B018 - brings the latest step values in
         return self._progress_bar_metrics
 
-    def _publish_epoch_metrics(self, results: ResultCollection, log: bool, step: Optional[int] = None) -> dict[str, Any]:
+    def _publish_epoch_metrics(
+        self, results: ResultCollection, log: bool, step: Optional[int] = None
+    ) -> dict[str, Any]:
         """Compute a stage's epoch aggregates, expose them to callbacks and send them to the loggers."""
         callback, logged, pbar = results.epoch_metrics()
         self._callback_metrics.update(callback)
@@ -538,7 +574,11 @@ class Trainer:
 
     @property
     def validating(self) -> bool:
-        return self.state_stage == "validate" or (self.state_stage == "fit" and self._results is not self._train_results and self._results is not None)
+        return self.state_stage == "validate" or (
+            self.state_stage == "fit"
+            and self._results is not self._train_results
+            and self._results is not None
+        )
 
     @property
     def testing(self) -> bool:
@@ -581,11 +621,17 @@ class Trainer:
         return per_epoch * self.max_epochs
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, filepath: Union[str, os.PathLike], weights_only: bool = False,
-                        storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(
+        self,
+        filepath: Union[str, os.PathLike],
+        weights_only: bool = False,
+        storage_options: Optional[Any] = None,
+    ) -> None:
         """Write a checkpoint of the run to ``filepath`` (every rank must call this)."""
         if self.lightning_module is None:
-            raise MisconfigurationException("save_checkpoint needs a model: call it during or after `trainer.fit(model)`.")
+            raise MisconfigurationException(
+                "save_checkpoint needs a model: call it during or after `trainer.fit(model)`."
+            )
         from trainer_core.checkpointing import dump_checkpoint
 
         checkpoint = dump_checkpoint(self, weights_only)
@@ -603,4 +649,3 @@ def _check_module(model: Any, stage: str) -> LightningModule:
             f"`trainer.{stage}()` needs a trainer_core.LightningModule, got {type(model).__name__}."
         )
     return model
-

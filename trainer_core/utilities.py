@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
-
-import os
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection

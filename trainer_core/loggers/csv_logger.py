@@ -110,7 +110,9 @@ class CSVLogger(Logger):
 def _plain(params: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, value in params.items():
-        out[key] = value if isinstance(value, (int, float, str, bool, type(None), list, dict)) else repr(value)
+        out[key] = (
+            value if isinstance(value, (int, float, str, bool, type(None), list, dict)) else repr(value)
+        )
     return out
 
 
