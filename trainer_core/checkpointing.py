@@ -114,6 +114,8 @@ def loop_state(trainer: Trainer) -> dict[str, Any]:
         "epoch_finished": trainer._epoch_finished,
         "total_batch_idx": trainer.total_batch_idx,
         "batches_that_stepped": trainer._batches_that_stepped,
+        # Whether the last batch's validation (if it was due) already ran before this save.
+        "validated_last_batch": trainer._validated_batch,
     }
     if trainer._epoch_start_rng is not None and not trainer._epoch_finished:
         state["epoch_start_rng"] = trainer._epoch_start_rng
@@ -282,6 +284,7 @@ def _restore_loops(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     trainer._resume_rng = checkpoint[KEY_RNG]
     trainer._resume_dataloader_state = loops.get("dataloader")
     trainer._resume_grads = loops.get("accumulated_grads")
+    trainer._validated_batch = loops.get("validated_last_batch", False)
     trainer._restored_mid_run = trainer._resume_batch_idx > 0
 
 

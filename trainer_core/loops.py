@@ -281,6 +281,11 @@ def _train_epoch(t: Trainer, val_loaders: list[Any]) -> None:
     val_enabled = bool(val_loaders)
 
     iterator = _start_epoch_iterator(t, loader, start)
+    if start and val_enabled and not t._validated_batch and _should_check_val(t, start - 1, start >= n):
+        # The checkpoint was written in the last batch's ``on_train_batch_end``, before the
+        # validation that batch was due: run it now, as the saved run did next.
+        t.batch_idx = start - 1
+        _validate_in_fit(t, val_loaders)
     finite = not math.isinf(n)
     pairs = _with_last_flag(iterator) if not finite else None
     batch_idx = start
@@ -305,6 +310,7 @@ def _train_epoch(t: Trainer, val_loaders: list[Any]) -> None:
             break
         outputs = step(batch, batch_idx, is_last)
         t._batches_done_in_epoch = batch_idx + 1
+        t._validated_batch = False
         if batch_end:
             t._run_hooks("on_train_batch_end", batch_end, outputs, batch, batch_idx)
         t.total_batch_idx += 1
@@ -541,6 +547,8 @@ def _make_step(t: Trainer) -> Callable[[Any, int, bool], Any]:
 
 
 def _validate_in_fit(t: Trainer, val_loaders: list[Any]) -> None:
+    # Marked first: a checkpoint written by a validation hook must not repeat it on resume.
+    t._validated_batch = True
     run_eval_loop(t, "validation", val_loaders, t.num_val_batches, log=True)
     t._results = t._train_results
     if t.lightning_module.automatic_optimization:

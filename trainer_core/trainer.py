@@ -212,6 +212,7 @@ class Trainer:
         self._eval_step = 0
         self.val_check_batch: Union[int, float] = float("inf")
         self._batches_done_in_epoch = 0
+        self._validated_batch = False
         self._epoch_finished = False
         self._epoch_start_rng: Optional[dict[str, Any]] = None
         # Set by a restore, consumed by the first epoch after it.

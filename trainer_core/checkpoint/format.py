@@ -1,0 +1,184 @@
+"""What a trainer-core checkpoint file holds, and the checks that turn a bad file into one clear error.
+
+The top-level keys are module constants so that the Trainer that writes a checkpoint, the plugins that
+fill its sharded parts and the code that reads it cannot drift apart on a spelling. ``FORMAT_VERSION``
+is bumped whenever a reader of the previous version could misread a new file; a reader refuses files
+from the future instead of guessing.
+
+Loading never unpickles freely (``torch.load(..., weights_only=True)``). The few non-tensor types the
+format legitimately contains (numpy's RNG state is an ``ndarray``) are listed in :func:`safe_globals`;
+a user whose hyper-parameters hold a class of their own registers it with :func:`register_safe_globals`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, Union
+
+import numpy as np
+import torch
+
+from trainer_core.__about__ import __version__
+from trainer_core.errors import CheckpointError
+
+FORMAT_VERSION = 1
+
+KEY_FORMAT_VERSION = "format_version"
+KEY_VERSION = "trainer_core_version"
+KEY_EPOCH = "epoch"
+KEY_GLOBAL_STEP = "global_step"
+KEY_STATE_DICT = "state_dict"
+KEY_OPTIMIZER_STATES = "optimizer_states"
+KEY_LR_SCHEDULERS = "lr_schedulers"
+KEY_LOOPS = "loops"
+KEY_CALLBACKS = "callbacks"
+KEY_RNG = "rng_states"
+KEY_HPARAMS = "hyper_parameters"
+KEY_PRECISION = "precision"
+
+#: Keys every checkpoint has, including one saved with ``weights_only=True``.
+REQUIRED_KEYS = (KEY_FORMAT_VERSION, KEY_EPOCH, KEY_GLOBAL_STEP, KEY_STATE_DICT)
+#: Keys a checkpoint needs on top of :data:`REQUIRED_KEYS` to resume training exactly.
+RESUME_KEYS = (KEY_OPTIMIZER_STATES, KEY_LR_SCHEDULERS, KEY_LOOPS, KEY_CALLBACKS, KEY_RNG)
+
+# Lists longer than this are cut in error messages; the count of the rest is still given.
+_MAX_LISTED = 20
+
+SafeGlobal = Union[Callable[..., Any], tuple[Callable[..., Any], str]]
+_user_safe_globals: list[SafeGlobal] = []
+
+
+def _numpy_safe_globals() -> list[SafeGlobal]:
+    """The numpy pieces an ``ndarray`` or numpy scalar pickles to, under both numpy 1 and 2 spellings.
+
+    ``numpy.random.get_state()`` returns an ``ndarray``; a checkpoint written under numpy 1 names
+    ``numpy.core.multiarray`` and one written under numpy 2 names ``numpy._core.multiarray``, so both
+    names are allowed for the same (current) objects. Only array/scalar reconstruction and dtypes are
+    allowed, nothing that calls arbitrary functions.
+    """
+    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+    allowed: list[SafeGlobal] = [np.ndarray, np.dtype]
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        allowed.append((multiarray._reconstruct, f"{module}._reconstruct"))
+        allowed.append((multiarray.scalar, f"{module}.scalar"))
+    numeric = (np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64, np.uint32, np.uint64)
+    numeric += (np.float16, np.float32, np.float64)
+    allowed.extend(type(np.dtype(t)) for t in numeric)
+    return allowed
+
+
+def safe_globals() -> list[SafeGlobal]:
+    """Everything beyond tensors and plain containers that a checkpoint may name when it is loaded."""
+    return [*_numpy_safe_globals(), *_user_safe_globals]
+
+
+def register_safe_globals(*objects: SafeGlobal) -> None:
+    """Allow ``objects`` (classes or functions you trust) to be named by checkpoints you load.
+
+    Use it when a checkpoint's hyper-parameters or a callback's state hold one of your own classes:
+    loading refuses any global that is not registered, because unpickling one can run code.
+    """
+    _user_safe_globals.extend(objects)
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_LISTED])
+    if len(names) > _MAX_LISTED:
+        shown += f", ... and {len(names) - _MAX_LISTED} more"
+    return shown
+
+
+def _describe_foreign(checkpoint: Mapping[Any, Any]) -> str:
+    """Say what a dict without ``format_version`` most likely is, so the user knows how to load it."""
+    if "pytorch-lightning_version" in checkpoint:
+        return (
+            f"it is a PyTorch Lightning checkpoint (pytorch-lightning {checkpoint['pytorch-lightning_version']}); "
+            "load its weights with model.load_state_dict(ckpt['state_dict'])"
+        )
+    if checkpoint and all(isinstance(value, torch.Tensor) for value in checkpoint.values()):
+        return (
+            "it looks like a plain state_dict (model weights only); load it with "
+            "model.load_state_dict(torch.load(path, weights_only=True)), or write checkpoints with "
+            "trainer.save_checkpoint(path)"
+        )
+    keys = _listing(sorted(map(str, checkpoint.keys())))
+    return f"its top-level keys are [{keys}]; write checkpoints with trainer.save_checkpoint(path)"
+
+
+def validate_checkpoint(checkpoint: Any, path: str, *, for_resume: bool = False) -> None:
+    """Raise :class:`CheckpointError` unless ``checkpoint`` is a trainer-core checkpoint this version reads.
+
+    ``for_resume=True`` also requires the training state (optimizers, schedulers, loops, callbacks,
+    RNG); a checkpoint saved with ``weights_only=True`` holds only the model and cannot resume a run.
+    """
+    if not isinstance(checkpoint, Mapping):
+        raise CheckpointError(
+            f"{path} is not a trainer-core checkpoint: it holds a {type(checkpoint).__name__}, not a dict. "
+            "Write checkpoints with trainer.save_checkpoint(path)."
+        )
+    if KEY_FORMAT_VERSION not in checkpoint:
+        raise CheckpointError(
+            f"{path} is not a trainer-core checkpoint (no {KEY_FORMAT_VERSION!r} key): {_describe_foreign(checkpoint)}."
+        )
+    version = checkpoint[KEY_FORMAT_VERSION]
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise CheckpointError(
+            f"{path} has an invalid {KEY_FORMAT_VERSION!r}: {version!r} (expected a positive int). "
+            "The file was not written by trainer-core or was edited; re-save it with trainer.save_checkpoint."
+        )
+    if version > FORMAT_VERSION:
+        writer = checkpoint.get(KEY_VERSION, "an unknown version")
+        raise CheckpointError(
+            f"{path} was written by a newer trainer-core ({writer}, format_version {version}); this is "
+            f"trainer-core {__version__}, which reads format_version {FORMAT_VERSION} and older. "
+            "Upgrade trainer-core to load it."
+        )
+    missing = [key for key in REQUIRED_KEYS if key not in checkpoint]
+    if missing:
+        raise CheckpointError(
+            f"{path} is an incomplete trainer-core checkpoint: it lacks the keys [{', '.join(missing)}]. "
+            "It was edited or written by a broken writer; use another checkpoint."
+        )
+    if for_resume:
+        missing = [key for key in RESUME_KEYS if key not in checkpoint]
+        if missing:
+            raise CheckpointError(
+                f"{path} holds only the model weights (no [{', '.join(missing)}]; was it saved with "
+                "weights_only=True?), so training cannot resume from it. Load the weights with "
+                "LightningModule.load_from_checkpoint, or resume from a full checkpoint."
+            )
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def check_state_dict_matches(
+    expected: Mapping[str, Any], loaded: Mapping[str, Any], path: str, strict: bool = True
+) -> None:
+    """Raise :class:`CheckpointError` listing every name and shape where ``loaded`` differs from the model.
+
+    ``expected`` is the model's ``{name: tensor}`` (for example ``model.state_dict()``), ``loaded`` the
+    checkpoint's state dict. Checking before ``load_state_dict`` means a mismatch leaves the model
+    untouched, and the user sees every difference at once instead of torch's first one. With
+    ``strict=False`` only shape mismatches of names present on both sides are errors.
+    """
+    missing = sorted(name for name in expected if name not in loaded)
+    unexpected = sorted(name for name in loaded if name not in expected)
+    mismatched = []
+    for name in sorted(set(expected) & set(loaded)):
+        model_shape, ckpt_shape = _shape(expected[name]), _shape(loaded[name])
+        if model_shape is not None and ckpt_shape is not None and model_shape != ckpt_shape:
+            mismatched.append(f"{name}: checkpoint {ckpt_shape} vs model {model_shape}")
+    problems = []
+    if strict and missing:
+        problems.append(f"missing in the checkpoint ({len(missing)}): {_listing(missing)}")
+    if strict and unexpected:
+        problems.append(f"unexpected in the checkpoint ({len(unexpected)}): {_listing(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatch ({len(mismatched)}): {_listing(mismatched)}")
+    if problems:
+        hint = "Load a checkpoint of this model, or change the model to match"
+        if strict and not mismatched:
+            hint += "; pass strict=False to load only the names both have"
+        raise CheckpointError(f"{path} does not match the model:\n  " + "\n  ".join(problems) + f"\n{hint}.")

@@ -1,0 +1,159 @@
+"""Optimizer state keyed by parameter name instead of torch's positional index.
+
+``optimizer.state_dict()`` numbers parameters ``0..n-1`` in the order the optimizer's param groups
+list them. That order depends on how ``configure_optimizers`` grouped them and on how a plugin
+partitioned them, so an index-keyed state only loads back into an identically built optimizer. A
+parameter's name (``net.0.weight``) survives a change of plugin, world size or group order, which is
+what lets a checkpoint written under DDP on 2 ranks load under FSDP on 3 ranks or on one device.
+
+Stored form::
+
+    {"state": {"net.0.weight": {"momentum_buffer": ...}, ...},
+     "param_groups": [{"lr": 0.1, ..., "params": ["net.0.weight", "net.0.bias"]}, ...]}
+
+An empty state (``{}``, what non-zero ranks of a sharded optimizer return after consolidation on
+rank 0) passes through both conversions unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from trainer_core.errors import CheckpointError
+
+ParamNames = Union[Mapping[torch.Tensor, str], Sequence[str]]
+
+_STATE = "state"
+_PARAM_GROUPS = "param_groups"
+_PARAMS = "params"
+# Newer torch stores names next to indices when an optimizer was built from named_parameters();
+# the name-keyed form already uses names as the keys, so this copy is dropped.
+_TORCH_PARAM_NAMES = "param_names"
+_MAX_LISTED = 20
+
+
+def parameter_names(module: nn.Module) -> dict[torch.Tensor, str]:
+    """``{parameter: name}`` for ``module``, the mapping both conversions take.
+
+    A tied parameter appears once, under the first name ``named_parameters`` yields, which is also the
+    name its tensor has in the model's state dict.
+    """
+    return {param: name for name, param in module.named_parameters()}
+
+
+def _ordered_names(optimizer: torch.optim.Optimizer, param_names: ParamNames) -> list[list[str]]:
+    """The names of ``optimizer``'s parameters, one list per param group, in the optimizer's order."""
+    groups = [group[_PARAMS] for group in optimizer.param_groups]
+    if isinstance(param_names, Mapping):
+        unnamed = sum(1 for params in groups for p in params if p not in param_names)
+        if unnamed:
+            raise ValueError(
+                f"{unnamed} parameter(s) of {type(optimizer).__name__} have no name in the mapping; "
+                "build the mapping with parameter_names(module) from the module the optimizer trains."
+            )
+        return [[param_names[p] for p in params] for params in groups]
+    names = list(param_names)
+    total = sum(len(params) for params in groups)
+    if len(names) != total:
+        raise ValueError(
+            f"got {len(names)} parameter names for {type(optimizer).__name__}, which holds {total} parameters; "
+            "pass one name per parameter, in the order of optimizer.param_groups."
+        )
+    grouped, start = [], 0
+    for params in groups:
+        grouped.append(names[start : start + len(params)])
+        start += len(params)
+    return grouped
+
+
+def _listing(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:_MAX_LISTED])
+    return shown + (f", ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else "")
+
+
+def optimizer_state_to_names(
+    state_dict: dict[str, Any], optimizer: torch.optim.Optimizer, param_names: ParamNames
+) -> dict[str, Any]:
+    """Turn ``optimizer.state_dict()`` (index-keyed) into the name-keyed form stored in checkpoints.
+
+    ``param_names`` is ``{param: name}`` (see :func:`parameter_names`) or the list of names in the
+    order of ``optimizer.param_groups``. Per-parameter state tensors are not copied.
+    """
+    if not state_dict:
+        return {}
+    grouped = _ordered_names(optimizer, param_names)
+    saved_groups = state_dict[_PARAM_GROUPS]
+    if [len(g[_PARAMS]) for g in saved_groups] != [len(names) for names in grouped]:
+        raise ValueError(
+            f"the state dict's param groups do not have the layout of {type(optimizer).__name__}'s; "
+            "pass the state dict of this very optimizer."
+        )
+    index_to_name = {
+        index: name for group, names in zip(saved_groups, grouped) for index, name in zip(group[_PARAMS], names)
+    }
+    param_groups = []
+    for group in saved_groups:
+        named_group = {k: v for k, v in group.items() if k not in (_PARAMS, _TORCH_PARAM_NAMES)}
+        named_group[_PARAMS] = [index_to_name[index] for index in group[_PARAMS]]
+        param_groups.append(named_group)
+    state = {index_to_name[index]: value for index, value in state_dict[_STATE].items()}
+    return {_STATE: state, _PARAM_GROUPS: param_groups}
+
+
+def optimizer_state_from_names(
+    named_state: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+    param_names: ParamNames,
+    path: Optional[str] = None,
+) -> dict[str, Any]:
+    """Turn a name-keyed state back into the index-keyed dict ``optimizer.load_state_dict`` expects.
+
+    Parameters are matched by name, so the loading optimizer may list its groups, and the parameters
+    within a group, in any order. Each of its groups takes the hyper-parameters of the stored group its
+    parameters came from; a group mixing parameters from several stored groups is an error, because its
+    learning rate would be ambiguous. Raises :class:`CheckpointError` (naming ``path`` when given)
+    listing names the checkpoint lacks and names the optimizer lacks.
+    """
+    if not named_state:
+        return {}
+    where = f"the optimizer state in {path}" if path else "the optimizer state"
+    grouped = _ordered_names(optimizer, param_names)
+    saved_group_of = {name: i for i, group in enumerate(named_state[_PARAM_GROUPS]) for name in group[_PARAMS]}
+    wanted = [name for names in grouped for name in names]
+    missing = [name for name in wanted if name not in saved_group_of]
+    unexpected = sorted(set(saved_group_of) - set(wanted))
+    if missing or unexpected:
+        problems = []
+        if missing:
+            problems.append(f"parameters the checkpoint lacks ({len(missing)}): {_listing(missing)}")
+        if unexpected:
+            problems.append(f"parameters the optimizer lacks ({len(unexpected)}): {_listing(unexpected)}")
+        raise CheckpointError(
+            f"{where} does not match {type(optimizer).__name__}:\n  "
+            + "\n  ".join(problems)
+            + "\nconfigure_optimizers must optimize the same parameters as the run that saved the checkpoint."
+        )
+
+    param_groups, state, index = [], {}, 0
+    for current_group, names in zip(optimizer.param_groups, grouped):
+        sources = sorted({saved_group_of[name] for name in names})
+        if len(sources) > 1:
+            raise CheckpointError(
+                f"{where}: one param group of {type(optimizer).__name__} holds parameters from {len(sources)} "
+                f"different saved groups ({_listing(names)}), so its hyper-parameters are ambiguous; "
+                "group the parameters as the run that saved the checkpoint did."
+            )
+        # An empty group has no stored counterpart and keeps its own hyper-parameters.
+        source = named_state[_PARAM_GROUPS][sources[0]] if sources else current_group
+        group = {k: v for k, v in source.items() if k != _PARAMS}
+        group[_PARAMS] = list(range(index, index + len(names)))
+        for name in names:
+            if name in named_state[_STATE]:
+                state[index] = named_state[_STATE][name]
+            index += 1
+        param_groups.append(group)
+    return {_STATE: state, _PARAM_GROUPS: param_groups}
