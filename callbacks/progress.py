@@ -92,8 +92,11 @@ class TQDMProgressBar(Callback):
         metrics.update(trainer.progress_bar_metrics)
         return metrics
 
-    def _new_bar(self, desc: str, total: Any, position_offset: int, leave: bool) -> _Bar:
+    def _new_bar(
+        self, desc: str, total: Any, position_offset: int, leave: bool, with_metrics: bool = False
+    ) -> _Bar:
         trainer = self._trainer
+        show = with_metrics and trainer is not None
         return _Bar(
             desc=desc,
             total=_total(total),
@@ -102,9 +105,7 @@ class TQDMProgressBar(Callback):
             dynamic_ncols=True,
             file=self._file or sys.stderr,
             smoothing=0,
-            metrics=(lambda: self.get_metrics(trainer, trainer.lightning_module))
-            if trainer is not None
-            else None,
+            metrics=(lambda: self.get_metrics(trainer, trainer.lightning_module)) if show else None,
         )
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -117,7 +118,9 @@ class TQDMProgressBar(Callback):
         if not self.is_enabled:
             return
         if self.train_progress_bar is None:
-            self.train_progress_bar = self._new_bar("Training", trainer.num_training_batches, 0, True)
+            self.train_progress_bar = self._new_bar(
+                "Training", trainer.num_training_batches, 0, True, with_metrics=True
+            )
         else:
             self.train_progress_bar.reset(total=_total(trainer.num_training_batches))
         self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}", refresh=False)

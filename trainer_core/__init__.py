@@ -1,9 +1,18 @@
 """trainer-core: a Lightning-style trainer whose distributed behaviour lives in training-type plugins."""
 
+import logging
+
 from trainer_core.__about__ import __version__
 from trainer_core.datamodule import LightningDataModule
 from trainer_core.module import LightningModule
 from trainer_core.seed import seed_everything
 from trainer_core.trainer import Trainer
+
+# Messages for the user ("Seed set to 42") print by default, as Lightning's do.
+_logger = logging.getLogger(__name__)
+if not _logger.handlers:
+    _logger.addHandler(logging.StreamHandler())
+    _logger.setLevel(logging.INFO)
+    _logger.propagate = False
 
 __all__ = ["LightningDataModule", "LightningModule", "Trainer", "__version__", "seed_everything"]

@@ -199,11 +199,16 @@ def _base_module() -> type:
 def _sanity_check(t: Trainer, val_loaders: list[Any]) -> None:
     steps = t.num_sanity_val_steps
     limits = [n if steps == -1 else min(n, steps) for n in t.num_val_batches]
+    from trainer_core.checkpointing import apply_rng_states, collect_rng_states
+
+    # The check must not change the run: creating a loader's iterator draws from the global RNG.
+    rng = collect_rng_states()
     t.sanity_checking = True
     t._call_callback_hooks("on_sanity_check_start")
     run_eval_loop(t, "validation", val_loaders, limits, log=False)
     t._call_callback_hooks("on_sanity_check_end")
     t.sanity_checking = False
+    apply_rng_states(rng)
     # What the sanity check logged must not reach callbacks or loggers (Lightning's behaviour).
     t._callback_metrics.clear()
     t._progress_bar_metrics.clear()

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from typing import Optional
 
 import numpy as np
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_only
 
 _MAX_SEED = np.iinfo(np.uint32).max
 
 
-def seed_everything(seed: Optional[int] = None, workers: bool = False) -> int:
+def seed_everything(seed: Optional[int] = None, workers: bool = False, verbose: bool = True) -> int:
     """Seed Python's, NumPy's and torch's generators and export the seed to child processes.
 
     ``workers=True`` also sets ``PL_SEED_WORKERS`` so that DataLoader workers are seeded from
@@ -29,4 +31,6 @@ def seed_everything(seed: Optional[int] = None, workers: bool = False) -> int:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    if verbose and rank_zero_only.rank == 0:
+        logging.getLogger("trainer_core").info(f"Seed set to {seed}")
     return seed
