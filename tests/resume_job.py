@@ -51,18 +51,30 @@ def dataloader(n: int = 100, batch_size: int = 8, shuffle: bool = True) -> DataL
 class SaveAt(Callback):
     """Save once, either right after optimizer step ``step`` or at the end of epoch ``epoch``."""
 
-    def __init__(self, path: str, step: Optional[int] = None, batch_idx: Optional[int] = None,
-                 epoch: Optional[int] = None, after_validation_step: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        step: Optional[int] = None,
+        batch_idx: Optional[int] = None,
+        epoch: Optional[int] = None,
+        after_validation_step: Optional[int] = None,
+    ) -> None:
         self.path, self.step, self.batch_idx, self.epoch = path, step, batch_idx, epoch
         self.after_validation_step = after_validation_step
         self.saved = False
 
     def on_validation_end(self, trainer: Trainer, pl_module: Any) -> None:
-        if not self.saved and not trainer.sanity_checking and trainer.global_step == self.after_validation_step:
+        if (
+            not self.saved
+            and not trainer.sanity_checking
+            and trainer.global_step == self.after_validation_step
+        ):
             trainer.save_checkpoint(self.path)
             self.saved = True
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         hit_step = self.step is not None and trainer.global_step == self.step
         hit_batch = self.batch_idx is not None and trainer.total_batch_idx == self.batch_idx + 1
         if not self.saved and (hit_step or hit_batch):
@@ -92,7 +104,9 @@ def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt", required=True)
-    parser.add_argument("--out", required=True, help="JSON file for the losses; the weights go next to it (.pt)")
+    parser.add_argument(
+        "--out", required=True, help="JSON file for the losses; the weights go next to it (.pt)"
+    )
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--trainer-kwargs", default="{}", help="JSON of extra Trainer arguments")
     args = parser.parse_args()

@@ -36,7 +36,9 @@ def _names(path: Path) -> set[str]:
 
 def test_top_k_keeps_the_best_and_deletes_the_rest(tmp_path: Path) -> None:
     seed_everything(0)
-    cb = ModelCheckpoint(dirpath=tmp_path, monitor="score", mode="min", save_top_k=2, filename="{epoch}-{score:.2f}")
+    cb = ModelCheckpoint(
+        dirpath=tmp_path, monitor="score", mode="min", save_top_k=2, filename="{epoch}-{score:.2f}"
+    )
     _fit(ScoredModule(), [cb], max_epochs=5)
     assert _names(tmp_path) == {"epoch=1-score=0.20.ckpt", "epoch=3-score=0.10.ckpt"}
     assert cb.best_model_path == str(tmp_path / "epoch=3-score=0.10.ckpt")
@@ -44,7 +46,9 @@ def test_top_k_keeps_the_best_and_deletes_the_rest(tmp_path: Path) -> None:
     assert set(cb.best_k_models) == {str(tmp_path / n) for n in _names(tmp_path)}
 
     seed_everything(0)
-    cb_max = ModelCheckpoint(dirpath=tmp_path / "max", monitor="score", mode="max", save_top_k=1, save_last=True)
+    cb_max = ModelCheckpoint(
+        dirpath=tmp_path / "max", monitor="score", mode="max", save_top_k=1, save_last=True
+    )
     _fit(ScoredModule(), [cb_max], max_epochs=5)
     assert _names(tmp_path / "max") == {"epoch=2-step=39.ckpt", "last.ckpt"}
 
@@ -76,7 +80,10 @@ def test_top_k_state_survives_a_resume(tmp_path: Path) -> None:
     seed_everything(0)
     first = ModelCheckpoint(dirpath=tmp_path, monitor="score", save_top_k=2, save_last=True)
     _fit(ScoredModule(), [first], max_epochs=3)
-    assert set(first.best_k_models) == {str(tmp_path / "epoch=0-step=13.ckpt"), str(tmp_path / "epoch=1-step=26.ckpt")}
+    assert set(first.best_k_models) == {
+        str(tmp_path / "epoch=0-step=13.ckpt"),
+        str(tmp_path / "epoch=1-step=26.ckpt"),
+    }
 
     second = ModelCheckpoint(dirpath=tmp_path, monitor="score", save_top_k=2, save_last=True)
     trainer = Trainer(**trainer_kwargs(enable_checkpointing=True, max_epochs=5), callbacks=[second])
@@ -89,9 +96,15 @@ def test_top_k_state_survives_a_resume(tmp_path: Path) -> None:
 
 def test_last_resumes_the_newest_complete_checkpoint(tmp_path: Path) -> None:
     seed_everything(0)
-    _fit(ResumeModule(), [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)], max_epochs=1)
-    trainer = Trainer(**trainer_kwargs(enable_checkpointing=True, max_epochs=2),
-                      callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)])
+    _fit(
+        ResumeModule(),
+        [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)],
+        max_epochs=1,
+    )
+    trainer = Trainer(
+        **trainer_kwargs(enable_checkpointing=True, max_epochs=2),
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)],
+    )
     trainer.fit(ResumeModule(), dataloader(), ckpt_path="last")
     assert trainer.ckpt_path.endswith("epoch=0-step=12.ckpt")
     assert trainer.global_step == 26
@@ -126,7 +139,9 @@ def test_s3_dirpath_against_a_real_server(s3_url: str) -> None:
     names = {os.path.basename(p) for p in fs.ls(root, detail=False)}
     assert "epoch=1-step=26.ckpt" in names and "last.ckpt" in names
     assert not any(n.startswith("epoch=0") and n.endswith(".ckpt") for n in names)
-    trainer = Trainer(**trainer_kwargs(enable_checkpointing=True, max_epochs=3),
-                      callbacks=[ModelCheckpoint(dirpath=s3_url, monitor="score", save_top_k=1, save_last=True)])
+    trainer = Trainer(
+        **trainer_kwargs(enable_checkpointing=True, max_epochs=3),
+        callbacks=[ModelCheckpoint(dirpath=s3_url, monitor="score", save_top_k=1, save_last=True)],
+    )
     trainer.fit(ScoredModule(), dataloader(), dataloader(shuffle=False), ckpt_path="last")
     assert trainer.ckpt_path.endswith("last.ckpt") and trainer.global_step == 39

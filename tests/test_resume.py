@@ -22,24 +22,41 @@ from trainer_core.errors import CheckpointError
 TESTS = Path(__file__).parent
 
 
-def _full_run(tmp_path: Path, accumulate: int = 1, extra: Optional[dict] = None, **save_at: int) -> tuple[ResumeModule, Path]:
+def _full_run(
+    tmp_path: Path, accumulate: int = 1, extra: Optional[dict] = None, **save_at: int
+) -> tuple[ResumeModule, Path]:
     ckpt = tmp_path / "stop.ckpt"
     seed_everything(42)
     model = ResumeModule()
     saver = SaveAt(str(ckpt), **save_at)
-    trainer = Trainer(**trainer_kwargs(accumulate_grad_batches=accumulate, **(extra or {})), callbacks=[saver])
+    trainer = Trainer(
+        **trainer_kwargs(accumulate_grad_batches=accumulate, **(extra or {})), callbacks=[saver]
+    )
     trainer.fit(model, dataloader(), dataloader(shuffle=False))
     assert saver.saved
     return model, ckpt
 
 
-def _resume_in_new_process(tmp_path: Path, ckpt: Path, accumulate: int = 1,
-                           extra: Optional[dict] = None) -> tuple[list[float], dict]:
+def _resume_in_new_process(
+    tmp_path: Path, ckpt: Path, accumulate: int = 1, extra: Optional[dict] = None
+) -> tuple[list[float], dict]:
     out = tmp_path / "resumed.json"
     subprocess.run(
-        [sys.executable, str(TESTS / "resume_job.py"), "--ckpt", str(ckpt), "--out", str(out),
-         "--accumulate", str(accumulate), "--trainer-kwargs", json.dumps(extra or {})],
-        check=True, timeout=120, cwd=tmp_path,
+        [
+            sys.executable,
+            str(TESTS / "resume_job.py"),
+            "--ckpt",
+            str(ckpt),
+            "--out",
+            str(out),
+            "--accumulate",
+            str(accumulate),
+            "--trainer-kwargs",
+            json.dumps(extra or {}),
+        ],
+        check=True,
+        timeout=120,
+        cwd=tmp_path,
     )
     return json.loads(out.read_text()), torch.load(str(out) + ".pt", weights_only=True)
 
@@ -51,7 +68,9 @@ def _resume_in_new_process(tmp_path: Path, ckpt: Path, accumulate: int = 1,
         pytest.param(1, {}, {"step": 5}, id="mid-epoch"),
         pytest.param(1, {}, {"epoch": 0}, id="epoch-end"),
         pytest.param(1, {}, {"step": 13}, id="last-batch-before-its-validation"),
-        pytest.param(1, {"val_check_interval": 0.5}, {"after_validation_step": 6}, id="after-mid-epoch-validation"),
+        pytest.param(
+            1, {"val_check_interval": 0.5}, {"after_validation_step": 6}, id="after-mid-epoch-validation"
+        ),
         pytest.param(1, {"val_check_interval": 0.5}, {"step": 6}, id="before-mid-epoch-validation"),
         pytest.param(3, {}, {"batch_idx": 16}, id="mid-accumulation"),
     ],
@@ -60,7 +79,7 @@ def test_resume_in_new_process_is_exact(tmp_path: Path, accumulate: int, extra: 
     full, ckpt = _full_run(tmp_path, accumulate, extra, **save_at)
     losses, state = _resume_in_new_process(tmp_path, ckpt, accumulate, extra)
     assert 0 < len(losses) < len(full.losses)
-    assert losses == full.losses[-len(losses):]
+    assert losses == full.losses[-len(losses) :]
     for name, tensor in full.state_dict().items():
         assert torch.equal(tensor, state[name]), name
 
@@ -90,8 +109,20 @@ def test_checkpoint_holds_every_key(tmp_path: Path) -> None:
     path = tmp_path / "all.ckpt"
     trainer.save_checkpoint(path)
     checkpoint = torch.load(path, weights_only=True)
-    for key in ("format_version", "trainer_core_version", "epoch", "global_step", "state_dict", "optimizer_states",
-                "lr_schedulers", "loops", "callbacks", "rng_states", "hyper_parameters", "precision"):
+    for key in (
+        "format_version",
+        "trainer_core_version",
+        "epoch",
+        "global_step",
+        "state_dict",
+        "optimizer_states",
+        "lr_schedulers",
+        "loops",
+        "callbacks",
+        "rng_states",
+        "hyper_parameters",
+        "precision",
+    ):
         assert key in checkpoint, key
     assert checkpoint["global_step"] == trainer.global_step == 13
     assert checkpoint["hyper_parameters"] == {"hidden": 16, "lr": 0.01}
@@ -162,6 +193,6 @@ def test_stateful_dataloader_resumes_mid_epoch(tmp_path: Path) -> None:
     seed_everything(6)
     resumed = ResumeModule()
     Trainer(**trainer_kwargs()).fit(resumed, loader(), ckpt_path=ckpt)
-    assert resumed.losses == full.losses[-len(resumed.losses):]
+    assert resumed.losses == full.losses[-len(resumed.losses) :]
     for a, b in zip(full.parameters(), resumed.parameters()):
         assert torch.equal(a, b)

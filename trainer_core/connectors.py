@@ -102,8 +102,17 @@ def select_plugin(accelerator: str, strategy: Any, devices: Any, num_nodes: int,
             raise MisconfigurationException(
                 f"Trainer(plugins={plugin!r}): pass a TrainingTypePlugin, a CheckpointIO or a registered plugin name."
             )
+    elif n_devices * num_nodes == 1:
+        plugin = plugin_from_name("single_device")
     else:
-        plugin = plugin_from_name("single_device" if n_devices * num_nodes == 1 else "ddp")
+        from trainer_core.plugins import available_plugins
+
+        if "ddp" not in available_plugins():
+            raise MisconfigurationException(
+                f"Trainer(devices={devices!r}, num_nodes={num_nodes}) asks for several processes, which needs a "
+                f"distributed plugin; this version has only: {', '.join(available_plugins())}."
+            )
+        plugin = plugin_from_name("ddp")
     if plugin.name == "single_device":
         if n_devices * num_nodes > 1:
             raise MisconfigurationException(

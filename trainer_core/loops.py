@@ -134,9 +134,16 @@ def run_fit(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, ckpt
         print_summary(module)
     t._call_hooks("on_fit_start")
 
-    val_loaders = _setup_val(t, val_dataloaders)
-    if t.num_sanity_val_steps != 0 and val_loaders and not t._restored_mid_run:
-        _sanity_check(t, val_loaders)
+    sanity = (
+        t.num_sanity_val_steps != 0
+        and t.limit_val_batches != 0
+        and not t._restored_mid_run
+        and is_overridden("validation_step", module, _base_module())
+    )
+    if sanity:
+        val_loaders = _sanity_check(t, val_dataloaders)
+    else:
+        val_loaders = _setup_val(t, val_dataloaders)
     _ensure_train_dataloader(t)
 
     t._call_hooks("on_train_start")
@@ -196,16 +203,19 @@ def _base_module() -> type:
     return LightningModule
 
 
-def _sanity_check(t: Trainer, val_loaders: list[Any]) -> None:
-    steps = t.num_sanity_val_steps
-    limits = [n if steps == -1 else min(n, steps) for n in t.num_val_batches]
+def _sanity_check(t: Trainer, given: Any) -> list[Any]:
+    """A few validation batches before training, to fail fast; returns the validation loaders."""
     from trainer_core.checkpointing import apply_rng_states, collect_rng_states
 
     # The check must not change the run: creating a loader's iterator draws from the global RNG.
     rng = collect_rng_states()
     t.sanity_checking = True
     t._call_callback_hooks("on_sanity_check_start")
-    run_eval_loop(t, "validation", val_loaders, limits, log=False)
+    val_loaders = _setup_val(t, given)
+    steps = t.num_sanity_val_steps
+    limits = [n if steps == -1 else min(n, steps) for n in t.num_val_batches]
+    if val_loaders:
+        run_eval_loop(t, "validation", val_loaders, limits, log=False)
     t._call_callback_hooks("on_sanity_check_end")
     t.sanity_checking = False
     apply_rng_states(rng)
@@ -213,6 +223,7 @@ def _sanity_check(t: Trainer, val_loaders: list[Any]) -> None:
     t._callback_metrics.clear()
     t._progress_bar_metrics.clear()
     t._logged_metrics.clear()
+    return val_loaders
 
 
 def _fit_done(t: Trainer) -> bool:
@@ -290,6 +301,7 @@ def _train_epoch(t: Trainer, val_loaders: list[Any]) -> None:
         # The checkpoint was written in the last batch's ``on_train_batch_end``, before the
         # validation that batch was due: run it now, as the saved run did next.
         t.batch_idx = start - 1
+        t._is_last_batch = start >= n
         _validate_in_fit(t, val_loaders)
     finite = not math.isinf(n)
     pairs = _with_last_flag(iterator) if not finite else None
@@ -314,15 +326,18 @@ def _train_epoch(t: Trainer, val_loaders: list[Any]) -> None:
         if batch_start and t._run_hooks("on_train_batch_start", batch_start, batch, batch_idx) == -1:
             break
         outputs = step(batch, batch_idx, is_last)
+        # Counters move before ``on_train_batch_end`` so that a checkpoint written there
+        # describes the batch as done.
         t._batches_done_in_epoch = batch_idx + 1
         t._validated_batch = False
+        t.total_batch_idx += 1
+        stepped = not automatic or acc == 1 or (batch_idx + 1) % acc == 0 or is_last
+        if stepped:
+            t._batches_that_stepped += 1
         if batch_end:
             t._run_hooks("on_train_batch_end", batch_end, outputs, batch, batch_idx)
-        t.total_batch_idx += 1
-        if not automatic or acc == 1 or (batch_idx + 1) % acc == 0 or is_last:
-            if (t._batches_that_stepped + 1) % log_every == 0 or t.should_stop:
-                _log_train_step(t)
-            t._batches_that_stepped += 1
+        if stepped and (t._batches_that_stepped % log_every == 0 or t.should_stop):
+            _log_train_step(t)
         if val_enabled and _should_check_val(t, batch_idx, is_last):
             _validate_in_fit(t, val_loaders)
         batch_idx += 1
@@ -384,7 +399,7 @@ def _log_train_step(t: Trainer) -> None:
     t._callback_metrics.update(callback)
     t._progress_bar_metrics.update({k: to_float(v) for k, v in pbar.items()})
     if logged:
-        t._log_metrics(logged, t._batches_that_stepped)
+        t._log_metrics(logged, t._batches_that_stepped - 1)
 
 
 def _end_train_epoch(t: Trainer) -> None:
@@ -392,6 +407,7 @@ def _end_train_epoch(t: Trainer) -> None:
     t._epoch_finished = True
     results = t._train_results
     t._results = results
+    t.callback_metrics  # noqa: B018 - takes in the last step values
     t._publish_epoch_metrics(results, log=False)
     monitoring = [cb for cb in t.callbacks if getattr(cb, "_monitors_metrics", False)]
     t._current_fx = "on_train_epoch_end"
@@ -554,17 +570,28 @@ def _make_step(t: Trainer) -> Callable[[Any, int, bool], Any]:
 def _validate_in_fit(t: Trainer, val_loaders: list[Any]) -> None:
     # Marked first: a checkpoint written by a validation hook must not repeat it on resume.
     t._validated_batch = True
-    run_eval_loop(t, "validation", val_loaders, t.num_val_batches, log=True)
+    module = t.lightning_module
+    acc = t.accumulate_grad_batches
+    at_boundary = acc == 1 or (t.batch_idx + 1) % acc == 0 or t._is_last_batch
+    if at_boundary or not module.automatic_optimization:
+        # Gradients are not needed until the next step: release their memory for validation.
+        t._call_module_hook("on_validation_model_zero_grad")
+    run_eval_loop(
+        t, "validation", val_loaders, t.num_val_batches, log=True, step=max(0, t._batches_that_stepped - 1)
+    )
     t._results = t._train_results
-    if t.lightning_module.automatic_optimization:
-        acc = t.accumulate_grad_batches
-        if acc == 1 or (t.batch_idx + 1) % acc == 0 or t._is_last_batch:
-            update_lr_schedulers(t, "step", plateau=True)
+    if module.automatic_optimization and at_boundary:
+        update_lr_schedulers(t, "step", plateau=True)
 
 
 # ---------------------------------------------------------------------- evaluation
 def run_eval_loop(
-    t: Trainer, prefix: str, loaders: list[Any], limits: list[Union[int, float]], log: bool
+    t: Trainer,
+    prefix: str,
+    loaders: list[Any],
+    limits: list[Union[int, float]],
+    log: bool,
+    step: Optional[int] = None,
 ) -> list[dict[str, Any]]:
     """One pass of ``validation`` or ``test`` over ``loaders``; returns epoch metrics per loader."""
     module = t.lightning_module
@@ -614,7 +641,7 @@ def run_eval_loop(
                     break
         results.name_suffix = ""
         t._call_hooks(f"on_{prefix}_epoch_end")
-    metrics = t._publish_epoch_metrics(results, log=log)
+    metrics = t._publish_epoch_metrics(results, log=log, step=step)
     t._call_hooks(f"on_{prefix}_end")
     if was_training:
         t._call_module_hook(f"on_{prefix}_model_train")

@@ -452,6 +452,10 @@ class LightningModule(nn.Module):
     def on_validation_model_eval(self) -> None:
         self.eval()
 
+    def on_validation_model_zero_grad(self) -> None:
+        """Release the gradients before validation in ``fit`` (they are rebuilt by the next step)."""
+        self.zero_grad(set_to_none=True)
+
     def on_validation_model_train(self) -> None:
         self.train()
 

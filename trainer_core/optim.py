@@ -55,7 +55,7 @@ def _is_plateau(scheduler: Any) -> bool:
     return isinstance(scheduler, ReduceLROnPlateau)
 
 
-def _scheduler_config(obj: Any) -> LRSchedulerConfig:
+def _scheduler_config(obj: Any, monitor: Optional[str] = None) -> LRSchedulerConfig:
     if isinstance(obj, Mapping):
         if "scheduler" not in obj:
             raise MisconfigurationException(
@@ -89,6 +89,8 @@ def _scheduler_config(obj: Any) -> LRSchedulerConfig:
         )
     else:
         config = LRSchedulerConfig(scheduler=obj, reduce_on_plateau=_is_plateau(obj))
+    if config.monitor is None:
+        config.monitor = monitor
     if not _is_scheduler(config.scheduler):
         raise MisconfigurationException(
             f"configure_optimizers: {type(config.scheduler).__name__} is not a learning-rate scheduler "
@@ -110,10 +112,7 @@ def _from_dict(obj: Mapping) -> tuple[list[Optimizer], list[LRSchedulerConfig]]:
     optimizers = [obj["optimizer"]]
     schedulers: list[LRSchedulerConfig] = []
     if obj.get("lr_scheduler") is not None:
-        config = _scheduler_config(obj["lr_scheduler"])
-        if config.monitor is None and obj.get("monitor") is not None:
-            config.monitor = obj["monitor"]
-        schedulers.append(config)
+        schedulers.append(_scheduler_config(obj["lr_scheduler"], monitor=obj.get("monitor")))
     return optimizers, schedulers
 
 
@@ -186,6 +185,8 @@ class LightningOptimizer:
     def __init__(self, optimizer: Optimizer, plugin: TrainingTypePlugin) -> None:
         self._optimizer = optimizer
         self._plugin = plugin
+        # Under manual optimization every step counts towards ``global_step`` (Lightning's rule).
+        self._on_step: Optional[Callable[[], None]] = None
 
     @property
     def optimizer(self) -> Optimizer:
@@ -200,7 +201,10 @@ class LightningOptimizer:
         return self._optimizer.state
 
     def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
-        return self._plugin.optimizer_step(self._optimizer, closure, **kwargs)
+        result = self._plugin.optimizer_step(self._optimizer, closure, **kwargs)
+        if self._on_step is not None:
+            self._on_step()
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)

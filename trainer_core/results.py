@@ -267,7 +267,7 @@ class ResultCollection:
             if not metric.on_step or metric.step_value is None:
                 continue
             key = f"{name}_step" if metric.forked else name
-            value = metric.step_value
+            value = _as_tensor(metric.step_value)
             if self.training:
                 callback[name] = value
                 callback[key] = value
@@ -289,6 +289,7 @@ class ResultCollection:
             value = metric.compute_epoch(self.plugin)
             if value is None:
                 continue
+            value = _as_tensor(value)
             key = f"{name}_epoch" if metric.forked else name
             callback[name] = value
             callback[key] = value

@@ -343,7 +343,9 @@ class Trainer:
                 if is_overridden("on_exception", cb, Callback):
                     cb.on_exception(self, module, exc)
             try:
-                self._teardown(stage)
+                # Lightning's rule: after an error only the plugin is torn down, not the user's hooks.
+                self.plugin.teardown()
+                self._results = None
             finally:
                 for lg in self.loggers:
                     lg.finalize("failed")
@@ -378,11 +380,17 @@ class Trainer:
         self._call_module_hook("configure_model")
         self.plugin.setup(self)
         self._lightning_optimizers = [LightningOptimizer(opt, self.plugin) for opt in self.plugin.optimizers]
+        if not module.automatic_optimization:
+            for lopt in self._lightning_optimizers:
+                lopt._on_step = self._count_manual_step
         if stage == "fit":
             self._check_optimization(module)
         self._hooks = Hooks(self, module, self.callbacks)
         self._after_closure = self._make_after_closure(module)
         self._train_results.plugin = self.plugin
+
+    def _count_manual_step(self) -> None:
+        self.global_step += 1
 
     def _check_optimization(self, module: LightningModule) -> None:
         if module.automatic_optimization and len(self.plugin.optimizers) > 1:
@@ -505,10 +513,10 @@ class Trainer:
         return callback
 
     def _log_metrics(self, metrics: dict[str, Any], step: int) -> None:
-        scalars = {k: to_float(v) for k, v in metrics.items()}
-        self._logged_metrics.update(scalars)
         if not self.loggers:
             return
+        scalars = {k: to_float(v) for k, v in metrics.items()}
+        self._logged_metrics.update(scalars)
         scalars.setdefault("epoch", self.current_epoch)
         for lg in self.loggers:
             lg.log_metrics(scalars, step=step)
@@ -612,14 +620,13 @@ class Trainer:
     @property
     def estimated_stepping_batches(self) -> Union[int, float]:
         """Optimizer steps the fit will take (for schedulers such as OneCycleLR)."""
-        if self.max_steps != -1:
-            return self.max_steps
         if self.train_dataloader is None and self.state_stage == "fit" and self.lightning_module is not None:
             loops._ensure_train_dataloader(self)
         if math.isinf(self.num_training_batches) or self.max_epochs == -1:
-            return float("inf")
-        per_epoch = math.ceil(self.num_training_batches / self.accumulate_grad_batches)
-        return per_epoch * self.max_epochs
+            by_epochs: Union[int, float] = float("inf")
+        else:
+            by_epochs = math.ceil(self.num_training_batches / self.accumulate_grad_batches) * self.max_epochs
+        return by_epochs if self.max_steps == -1 else min(by_epochs, self.max_steps)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(
