@@ -21,11 +21,11 @@ class Wide(LightningModule):
             nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1)
         )
 
-    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def training_step(self, batch, batch_idx):
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 
-    def configure_optimizers(self):  # noqa: ANN201
+    def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 

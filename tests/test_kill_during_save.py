@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from kill_job import Wide, loader, trainer
 
 TRIALS = 20

@@ -8,8 +8,8 @@ from pathlib import Path
 import fsspec
 import pytest
 import torch
-
 from resume_job import ResumeModule, dataloader, trainer_kwargs
+
 from trainer_core import Trainer, seed_everything
 from trainer_core.callbacks import ModelCheckpoint
 from trainer_core.errors import MisconfigurationException
@@ -20,11 +20,11 @@ class ScoredModule(ResumeModule):
 
     SCORES = [0.5, 0.2, 0.9, 0.1, 0.7]
 
-    def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def validation_step(self, batch, batch_idx):
         self.log("score", self.SCORES[self.current_epoch])
 
 
-def _fit(model, callbacks, **kwargs):  # noqa: ANN001, ANN003, ANN202
+def _fit(model, callbacks, **kwargs):
     trainer = Trainer(**trainer_kwargs(enable_checkpointing=True, **kwargs), callbacks=callbacks)
     trainer.fit(model, dataloader(), dataloader(shuffle=False))
     return trainer

@@ -13,8 +13,8 @@ from typing import Optional
 
 import pytest
 import torch
-
 from resume_job import ResumeModule, SaveAt, dataloader, trainer_kwargs
+
 from trainer_core import Trainer, seed_everything
 from trainer_core.checkpoint import KEY_OPTIMIZER_STATES
 from trainer_core.errors import CheckpointError
@@ -172,7 +172,7 @@ def test_failed_resume_leaves_the_run_untouched(tmp_path: Path) -> None:
         assert torch.equal(before[name], tensor), name
     assert fresh.global_step == 0 and fresh.current_epoch == 0
 
-    with pytest.raises(CheckpointError, match="missing.ckpt"):
+    with pytest.raises(CheckpointError, match=r"missing\.ckpt"):
         Trainer(**trainer_kwargs()).fit(ResumeModule(), dataloader(), ckpt_path=tmp_path / "missing.ckpt")
 
 
