@@ -1,0 +1,8 @@
+"""Checkpoint IO plugins: how checkpoints are written to and read from storage."""
+
+from __future__ import annotations
+
+from trainer_core.plugins.io.checkpoint_io import COMMIT_MARKER_SUFFIX, CheckpointIO
+from trainer_core.plugins.io.torch_io import TorchCheckpointIO
+
+__all__ = ["COMMIT_MARKER_SUFFIX", "CheckpointIO", "TorchCheckpointIO"]

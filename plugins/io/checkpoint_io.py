@@ -1,0 +1,146 @@
+"""The checkpoint IO contract: how a checkpoint reaches storage, and which stored ones a reader may pick.
+
+Method names follow Lightning's ``CheckpointIO`` so a user's IO plugin ports by changing its import.
+Two methods are added because resuming with ``ckpt_path="last"`` must never pick a checkpoint that a
+killed writer left half-written: :meth:`CheckpointIO.is_complete` and :meth:`CheckpointIO.list_complete`.
+
+How "complete" is decided depends on the storage:
+
+* Local disk: writers publish with an atomic rename, so any file under its final name is complete.
+  Temporary files (``.<name>.tmp-<id>``) are never complete.
+* Everything else (object stores, ``memory://``): an object store has no rename, so a writer first
+  writes the object and then a small commit marker next to it, ``<name>`` + :data:`COMMIT_MARKER_SUFFIX`.
+  The marker records the object's size; a checkpoint is complete when its marker exists and the size
+  matches, so a marker left over from an earlier save never vouches for a different, torn object.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from abc import ABC, abstractmethod
+from typing import Any, Optional
+
+import fsspec
+
+from trainer_core.paths import PathLike, is_local, join, resolve
+
+#: Suffix of the commit marker written after a checkpoint object on non-local storage.
+COMMIT_MARKER_SUFFIX = ".complete"
+#: Infix of the temporary names writers use before publishing; readers skip such names.
+TEMP_INFIX = ".tmp-"
+
+_MARKER_WRITER = "trainer-core"
+
+
+def commit_marker_path(path: str) -> str:
+    """The commit marker's path for the checkpoint at ``path`` (a filesystem path or URL)."""
+    return path.rstrip("/") + COMMIT_MARKER_SUFFIX
+
+
+def is_temporary_name(name: str) -> bool:
+    """Whether ``name`` (a base name) is a writer's temporary file, never a checkpoint."""
+    return name.startswith(".") and TEMP_INFIX in name
+
+
+def write_commit_marker(fs: fsspec.AbstractFileSystem, path: str, size: Optional[int]) -> None:
+    """Publish the checkpoint at ``path``: write its marker, recording ``size`` (``None`` for a folder).
+
+    ``saved_at`` orders checkpoints more finely than an object store's one-second modification times.
+    """
+    marker = {"writer": _MARKER_WRITER, "size": size, "saved_at": time.time()}
+    with fs.open(commit_marker_path(path), "wb") as f:
+        f.write(json.dumps(marker).encode())
+
+
+def read_commit_marker(fs: fsspec.AbstractFileSystem, path: str) -> Optional[dict[str, Any]]:
+    """The marker of the checkpoint at ``path``, or ``None`` if it has none or it is unreadable."""
+    try:
+        with fs.open(commit_marker_path(path), "rb") as f:
+            marker = json.loads(f.read().decode())
+    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+        return None
+    return marker if isinstance(marker, dict) and marker.get("writer") == _MARKER_WRITER else None
+
+
+def _basename(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+class CheckpointIO(ABC):
+    """Writes, reads and removes checkpoints; subclasses decide the file format and the storage layout."""
+
+    @abstractmethod
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: PathLike, storage_options: Optional[dict[str, Any]] = None
+    ) -> None:
+        """Write ``checkpoint`` to ``path`` so that a reader sees the previous one or all of the new one."""
+
+    @abstractmethod
+    def load_checkpoint(self, path: PathLike, map_location: Optional[Any] = None) -> dict[str, Any]:
+        """Read the checkpoint at ``path`` without executing code from it."""
+
+    @abstractmethod
+    def remove_checkpoint(self, path: PathLike) -> None:
+        """Delete the checkpoint at ``path`` so that no reader picks a half-removed one."""
+
+    def teardown(self) -> None:
+        """Release what the IO holds (threads, pools) when training ends."""
+
+    def _resolve(self, path: PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
+        """Turn ``path`` into ``(filesystem, path)``; subclasses add their storage options here."""
+        return resolve(path)
+
+    def is_complete(self, path: PathLike) -> bool:
+        """Whether the checkpoint at ``path`` was fully written and may be picked by a reader."""
+        fs, fs_path = self._resolve(path)
+        return self._is_complete(fs, fs_path)
+
+    def _is_complete(self, fs: fsspec.AbstractFileSystem, fs_path: str) -> bool:
+        if is_temporary_name(_basename(fs_path)) or fs_path.endswith(COMMIT_MARKER_SUFFIX):
+            return False
+        if is_local(fs):
+            return fs.exists(fs_path)
+        marker = read_commit_marker(fs, fs_path)
+        if marker is None or not fs.exists(fs_path):
+            return False
+        return marker.get("size") is None or fs.size(fs_path) == marker["size"]
+
+    def list_complete(self, dir_url: PathLike, suffix: Optional[str] = ".ckpt") -> list[str]:
+        """The complete checkpoints directly inside ``dir_url``, oldest first, as URLs in its spelling.
+
+        ``ckpt_path="last"`` resumes from the last entry. Only names ending in ``suffix`` count
+        (``None``: any name). A missing folder has no checkpoints.
+        """
+        fs, fs_dir = self._resolve(dir_url)
+        if not fs.isdir(fs_dir):
+            return []
+        found = []
+        for info in fs.ls(fs_dir, detail=True):
+            name = _basename(info["name"])
+            if suffix is not None and not name.endswith(suffix):
+                continue
+            if not self._is_complete(fs, info["name"]):
+                continue
+            found.append((self._saved_at(fs, info), name))
+        return [join(dir_url, name) for _, name in sorted(found)]
+
+    def latest_complete(self, dir_url: PathLike, suffix: Optional[str] = ".ckpt") -> Optional[str]:
+        """The newest complete checkpoint in ``dir_url`` (what ``ckpt_path="last"`` resumes), or ``None``."""
+        complete = self.list_complete(dir_url, suffix)
+        return complete[-1] if complete else None
+
+    @staticmethod
+    def _saved_at(fs: fsspec.AbstractFileSystem, info: dict[str, Any]) -> float:
+        """When the checkpoint described by ``info`` was published, as a POSIX timestamp."""
+        if not is_local(fs):
+            marker = read_commit_marker(fs, info["name"])
+            if marker is not None and isinstance(marker.get("saved_at"), (int, float)):
+                return float(marker["saved_at"])
+        for key in ("mtime", "LastModified", "created", "last_modified", "modified"):
+            value = info.get(key)
+            if isinstance(value, (int, float)):
+                return float(value)
+            if hasattr(value, "timestamp"):
+                return value.timestamp()
+        return fs.modified(info["name"]).timestamp()

@@ -1,0 +1,299 @@
+"""``torch.save`` / ``torch.load`` checkpoints on any fsspec URL, written atomically and read safely.
+
+Why each step is there:
+
+* **Streaming.** ``torch.save`` writes straight into the open file (on object stores through a
+  writer that hands it at most one upload part at a time), never into an in-memory ``BytesIO`` first:
+  that copy doubles the host memory a save needs, which is what makes large checkpoints crash hosts.
+* **Atomic.** On local disk the checkpoint goes to a temporary file in the same folder, is fsynced and
+  renamed over the target, then the folder is fsynced: a crash leaves the old file or the new one.
+  Object stores publish an upload only when it completes, so the object is written in place (the
+  upload is aborted if the save fails) and a commit marker follows (see ``checkpoint_io``).
+* **Safe reads.** ``torch.load(weights_only=True)`` with the format's few extra types allowed; a file
+  that names anything else (``os.system``, an unknown class) is refused before anything runs.
+* **Clear errors.** Every failure becomes one :class:`~trainer_core.errors.CheckpointError` that names
+  the file, says what is wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import pickletools
+import re
+import uuid
+from typing import Any, Optional
+
+import fsspec
+import torch
+from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
+from fsspec.spec import AbstractBufferedFile
+
+from trainer_core.checkpoint.format import safe_globals, validate_checkpoint
+from trainer_core.errors import CheckpointError
+from trainer_core.paths import PathLike, is_local, resolve
+from trainer_core.plugins.io.checkpoint_io import (
+    TEMP_INFIX,
+    CheckpointIO,
+    commit_marker_path,
+    write_commit_marker,
+)
+
+#: Object stores receive the checkpoint in parts of this size (S3 allows 10,000 parts: 80 GiB).
+UPLOAD_PART_BYTES = 8 * 2**20
+_MIN_UPLOAD_PART_BYTES = 5 * 2**20  # S3's smallest allowed part
+_MAX_UPLOAD_PARTS = 9_000  # below S3's 10,000, with room for the estimate below to be low
+
+
+class _GuardedWriter:
+    """What ``torch.save`` writes into: passes bytes on in bounded pieces and keeps the first error.
+
+    An exception raised by ``write`` inside torch's C++ zip writer comes back out as an unrelated
+    ``RuntimeError`` ("unexpected pos ..."), losing the cause (disk full, connection reset). So the
+    error is caught here, further writes are dropped, and the save raises the original afterwards.
+    """
+
+    def __init__(self, file: Any, max_piece: Optional[int]) -> None:
+        self._file = file
+        self._max_piece = max_piece
+        self.error: Optional[BaseException] = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if self.error is None:
+            try:
+                if self._max_piece is None:
+                    self._file.write(view)
+                else:
+                    for start in range(0, len(view), self._max_piece):
+                        self._file.write(view[start : start + self._max_piece])
+            except Exception as err:
+                self.error = err
+        return len(view)
+
+    def flush(self) -> None:
+        if self.error is None:
+            try:
+                self._file.flush()
+            except Exception as err:
+                self.error = err
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def _checkpoint_nbytes(checkpoint: Any) -> int:
+    """Bytes of tensor data in ``checkpoint``, to size upload parts before anything is written."""
+    if isinstance(checkpoint, torch.Tensor):
+        return checkpoint.numel() * checkpoint.element_size()
+    if isinstance(checkpoint, dict):
+        return sum(_checkpoint_nbytes(value) for value in checkpoint.values())
+    if isinstance(checkpoint, (list, tuple)):
+        return sum(_checkpoint_nbytes(value) for value in checkpoint)
+    return 0
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename in folder ``path`` durable; some filesystems cannot open a folder, which is fine."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _refused_global(message: str) -> Optional[str]:
+    """The global a weights-only load refused (``posix.system``), if that is why the load failed."""
+    match = re.search(r"GLOBAL ([\w.]+)", message)
+    return match.group(1) if match else None
+
+
+# Modules whose globals a PyTorch file legitimately names; anything else in a failed pickle is suspect.
+_EXPECTED_MODULES = ("torch", "collections", "numpy", "builtins", "__builtin__", "_codecs")
+
+
+def _suspect_globals(file: Any, max_pickles: int = 8) -> list[str]:
+    """Globals named by the raw pickle stream(s) in ``file`` outside the expected modules.
+
+    Torch's weights-only unpickler rejects some old-style files on an opcode before it reaches a
+    global, so "unsupported operand" cannot tell a corrupt file from one that would run code.
+    ``pickletools`` only parses (it never imports or calls anything), which makes this scan safe.
+    """
+    found: list[str] = []
+    strings: list[str] = []
+    try:
+        for _ in range(max_pickles):
+            for opcode, arg, _pos in pickletools.genops(file):
+                if opcode.name == "GLOBAL":
+                    found.append(str(arg).replace(" ", "."))
+                elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                    found.append(f"{strings[-2]}.{strings[-1]}")
+                elif isinstance(arg, str):
+                    strings.append(arg)
+    except Exception:  # garbage, or the end of the file: what was parsed so far is the answer
+        pass
+    return [name for name in found if not name.startswith(_EXPECTED_MODULES)]
+
+
+class TorchCheckpointIO(CheckpointIO):
+    """Saves with ``torch.save`` and loads with ``torch.load(weights_only=True)`` on any fsspec URL.
+
+    Args:
+        storage_options: passed to fsspec for every path (credentials, ``endpoint_url``, ...);
+            ``save_checkpoint``'s own ``storage_options`` are merged over them.
+    """
+
+    def __init__(self, storage_options: Optional[dict[str, Any]] = None) -> None:
+        self.storage_options = dict(storage_options or {})
+
+    def _resolve(
+        self, path: PathLike, storage_options: Optional[dict[str, Any]] = None
+    ) -> tuple[fsspec.AbstractFileSystem, str]:
+        return resolve(path, **{**self.storage_options, **(storage_options or {})})
+
+    # ---------------------------------------------------------------- save
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: PathLike, storage_options: Optional[dict[str, Any]] = None
+    ) -> None:
+        """Write ``checkpoint`` atomically; on failure the previous file at ``path`` is left as it was."""
+        fs, fs_path = self._resolve(path, storage_options)
+        try:
+            if is_local(fs):
+                self._save_local(checkpoint, fs, fs_path)
+            else:
+                self._save_object(checkpoint, fs, fs_path)
+        except Exception as err:
+            raise CheckpointError(
+                f"Could not save the checkpoint {os.fspath(path)}: {type(err).__name__}: {err}. "
+                "The previous checkpoint at this path, if any, is unchanged; fix the cause (space, "
+                "permissions, credentials) and save again."
+            ) from err
+
+    @staticmethod
+    def _save_local(checkpoint: dict[str, Any], fs: fsspec.AbstractFileSystem, fs_path: str) -> None:
+        parent, name = os.path.split(fs_path)
+        fs.makedirs(parent, exist_ok=True)  # object stores have no folders, so only local disk needs this
+        temp = os.path.join(parent, f".{name}{TEMP_INFIX}{uuid.uuid4().hex[:12]}")
+        try:
+            with fs.open(temp, "wb") as f:
+                writer = _GuardedWriter(f, max_piece=None)
+                torch.save(checkpoint, writer)
+                writer.raise_error()
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temp, fs_path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(temp)
+            raise
+        _fsync_dir(parent)
+
+    @staticmethod
+    def _save_object(checkpoint: dict[str, Any], fs: fsspec.AbstractFileSystem, fs_path: str) -> None:
+        part = max(UPLOAD_PART_BYTES, _checkpoint_nbytes(checkpoint) // _MAX_UPLOAD_PARTS + 1)
+        if isinstance(fs, MemoryFileSystem):
+            # memory:// publishes a file as soon as it is opened; build it aside and publish it whole.
+            file: Any = MemoryFile(fs, fs._strip_protocol(fs_path))
+        else:
+            file = fs.open(fs_path, "wb", block_size=max(part, _MIN_UPLOAD_PART_BYTES), autocommit=False)
+        if not isinstance(file, (AbstractBufferedFile, MemoryFile)):
+            file.close()
+            raise NotImplementedError(
+                f"{type(fs).__name__} cannot publish a file atomically; save to local disk, memory:// or an "
+                "object store (s3://, gs://, az://)."
+            )
+        try:
+            writer = _GuardedWriter(file, max_piece=part)
+            torch.save(checkpoint, writer)
+            writer.raise_error()
+            if isinstance(file, AbstractBufferedFile):
+                file.close()  # uploads the last part; with autocommit=False the object is not yet published
+            file.commit()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                file.discard()  # aborts a multipart upload; the previous object stays
+            file.closed = True  # nothing left to flush; keeps __del__ from uploading a torn tail
+            raise
+        write_commit_marker(fs, fs_path, size=fs.size(fs_path))
+
+    # ---------------------------------------------------------------- load
+
+    def load_checkpoint(self, path: PathLike, map_location: Optional[Any] = None) -> dict[str, Any]:
+        """Read and validate the checkpoint at ``path``; every failure is a :class:`CheckpointError`.
+
+        The file is read with ``weights_only=True`` and only the format's safe globals allowed, so a
+        file that asks to run code is refused before anything executes. An explicitly named file is
+        read even without a commit marker (a checkpoint copied in by hand has none); readers that
+        *choose* a checkpoint use :meth:`list_complete`, which skips unmarked ones.
+        """
+        display = os.fspath(path)
+        fs, fs_path = self._resolve(path)
+        if not fs.exists(fs_path):
+            raise CheckpointError(
+                f"Checkpoint not found: {display}. Check the path (and the storage credentials for a URL); "
+                'ckpt_path="last" picks the newest complete checkpoint of the run instead.'
+            )
+        if fs.isdir(fs_path):
+            raise CheckpointError(
+                f"{display} is a folder, not a checkpoint file. A sharded checkpoint is loaded with "
+                "DistributedCheckpointIO; otherwise pass the path of a .ckpt file inside it."
+            )
+        checkpoint = self._torch_load(fs, fs_path, display, map_location)
+        validate_checkpoint(checkpoint, display)
+        return checkpoint
+
+    @staticmethod
+    def _torch_load(
+        fs: fsspec.AbstractFileSystem, fs_path: str, display: str, map_location: Optional[Any]
+    ) -> Any:
+        try:
+            with fs.open(fs_path, "rb") as f, torch.serialization.safe_globals(safe_globals()):
+                return torch.load(f, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as err:
+            refused = _refused_global(str(err))
+            if refused is None:
+                with fs.open(fs_path, "rb") as f:
+                    refused = ", ".join(_suspect_globals(f)[:3]) or None
+            if refused is not None:
+                raise CheckpointError(
+                    f"Refused to load {display}: it asks to call or construct {refused} while loading, and "
+                    "trainer-core never runs code from a checkpoint. If the file is yours and the class is "
+                    "trusted, register it with trainer_core.checkpoint.register_safe_globals; otherwise "
+                    "delete the file."
+                ) from None
+            raise CheckpointError(_corrupt_message(display, err)) from None
+        except (RuntimeError, EOFError, ValueError, OSError) as err:
+            raise CheckpointError(_corrupt_message(display, err)) from err
+
+    # ---------------------------------------------------------------- remove
+
+    def remove_checkpoint(self, path: PathLike) -> None:
+        """Delete the checkpoint at ``path``; its commit marker goes first, so it is never half-picked."""
+        fs, fs_path = self._resolve(path)
+        marker = commit_marker_path(fs_path)
+        if not is_local(fs) and fs.exists(marker):
+            fs.rm(marker)
+        if fs.exists(fs_path):
+            fs.rm(fs_path, recursive=True)
+
+
+def _corrupt_message(display: str, err: BaseException) -> str:
+    text = str(err)
+    # torch's weights-only errors open with advice to disable weights_only; the cause comes later.
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    cause = lines[0] if lines else type(err).__name__
+    return (
+        f"Could not read the checkpoint {display}: the file is truncated, corrupt or not a PyTorch "
+        f"checkpoint ({type(err).__name__}: {cause}). Use another checkpoint, e.g. an earlier one of "
+        'the same run, or ckpt_path="last".'
+    )
