@@ -32,6 +32,12 @@ _EXTRAS = {
         "pytest-timeout>=2.2",
         "scikit-learn>=1.3",
         "ruff>=0.5",
+        # A real S3 server on loopback for object-store paths, and the client that talks to it.
+        "moto[server]>=5",
+        "s3fs>=2023.6",
+        # StatefulDataLoader, for mid-epoch resume of the loader's own position.
+        "torchdata>=0.8",
+        "psutil>=5.9",
     ],
     "bench": ["pytorch-lightning==2.6.6", "psutil>=5.9"],
 }
