@@ -12,7 +12,7 @@ from resume_job import ResumeModule, dataloader, trainer_kwargs
 
 from trainer_core import Trainer, seed_everything
 from trainer_core.callbacks import ModelCheckpoint
-from trainer_core.errors import MisconfigurationException
+from trainer_core.errors import CheckpointError, MisconfigurationException
 
 
 class ScoredModule(ResumeModule):
@@ -145,3 +145,19 @@ def test_s3_dirpath_against_a_real_server(s3_url: str) -> None:
     )
     trainer.fit(ScoredModule(), dataloader(), dataloader(shuffle=False), ckpt_path="last")
     assert trainer.ckpt_path.endswith("last.ckpt") and trainer.global_step == 39
+
+
+def test_evaluation_without_a_model_uses_the_best_checkpoint(tmp_path: Path) -> None:
+    seed_everything(0)
+    model = ScoredModule()
+    cb = ModelCheckpoint(dirpath=tmp_path, monitor="score", mode="min")
+    trainer = _fit(model, [cb], max_epochs=3)
+    best = ResumeModule.load_from_checkpoint(cb.best_model_path)
+    assert cb.best_model_path.endswith("epoch=1-step=26.ckpt")
+    # The final weights differ from the best epoch's; validate() without a model loads the best ones.
+    assert not torch.equal(best.net[0].weight, model.net[0].weight)
+    trainer.validate(dataloaders=dataloader(shuffle=False), verbose=False)
+    assert trainer.ckpt_path == cb.best_model_path
+    assert torch.equal(trainer.lightning_module.net[0].weight, best.net[0].weight)
+    with pytest.raises(CheckpointError, match="best"):
+        Trainer(**trainer_kwargs()).validate(model, dataloader(), ckpt_path="best")

@@ -188,8 +188,16 @@ def _inner(optimizer: Any) -> Any:
 
 # ---------------------------------------------------------------------- restore
 def resolve_ckpt_path(trainer: Trainer, ckpt_path: Union[str, os.PathLike]) -> Optional[str]:
-    """A path as given, or for ``"last"`` the newest complete checkpoint of this run's checkpoint folders."""
+    """A path as given; ``"best"``: the best checkpoint of this run; ``"last"``: the newest complete one."""
     path = os.fspath(ckpt_path)
+    if path == "best":
+        callback = trainer.checkpoint_callback
+        best = getattr(callback, "best_model_path", "") if callback is not None else ""
+        if not best:
+            raise CheckpointError(
+                'ckpt_path="best" needs a ModelCheckpoint that has saved a checkpoint in this run; pass a path instead.'
+            )
+        return best
     if path != "last":
         return path
     io = trainer.plugin.checkpoint_io
@@ -251,6 +259,7 @@ def restore_checkpoint(
             cb.on_load_checkpoint(trainer, module, checkpoint)
     trainer._call_module_hook("on_load_checkpoint", checkpoint)
     plugin.load_model_state_dict(checkpoint[KEY_STATE_DICT])
+    trainer.ckpt_path = path
     if weights_only:
         return
     for opt, state in zip(plugin.optimizers, optimizer_states):
@@ -265,7 +274,6 @@ def restore_checkpoint(
     if trainer.datamodule is not None and KEY_DATAMODULE in checkpoint:
         trainer.datamodule.load_state_dict(checkpoint[KEY_DATAMODULE])
     _restore_loops(trainer, checkpoint)
-    trainer.ckpt_path = path
 
 
 def _restore_loops(trainer: Trainer, checkpoint: dict[str, Any]) -> None:

@@ -6,13 +6,13 @@ The Trainer owns the loops, the hooks and the checkpoint format; it never touche
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
 import torch
-from lightning_utilities.core.imports import RequirementCache
 from lightning_utilities.core.overrides import is_overridden
 from torch import nn
 from torch.optim import Optimizer
@@ -28,7 +28,7 @@ from trainer_core.precision import Precision
 from trainer_core.results import ResultCollection
 from trainer_core.utilities import rank_zero_only, to_float
 
-_TENSORBOARD_AVAILABLE = RequirementCache("tensorboard")
+_logger = logging.getLogger("trainer_core")
 
 STAGES = ("fit", "validate", "test", "predict")
 
@@ -275,6 +275,7 @@ class Trainer:
         ckpt_path: Optional[Union[str, os.PathLike]] = None,
     ) -> Optional[list[Any]]:
         """Run ``predict_step`` over the data; returns the predictions (a list per dataloader if several)."""
+        ckpt_path = self._default_ckpt_path("predict", model, ckpt_path)
         model = self._model_for("predict", model)
         if isinstance(dataloaders, LightningDataModule):
             datamodule, dataloaders = dataloaders, None
@@ -295,6 +296,7 @@ class Trainer:
         verbose: bool,
         datamodule: Optional[LightningDataModule],
     ) -> list[dict[str, float]]:
+        ckpt_path = self._default_ckpt_path(stage, model, ckpt_path)
         model = self._model_for(stage, model)
         if isinstance(dataloaders, LightningDataModule):
             datamodule, dataloaders = dataloaders, None
@@ -305,6 +307,16 @@ class Trainer:
             datamodule,
             lambda: loops.run_evaluation(self, stage, dataloaders, ckpt_path, verbose),
         )
+
+    def _default_ckpt_path(self, stage: str, model: Optional[LightningModule], ckpt_path: Any) -> Any:
+        """Lightning's rule: without a model, evaluate the best checkpoint of the previous ``fit``."""
+        if ckpt_path is not None or model is not None or self.lightning_module is None:
+            return ckpt_path
+        callback = self.checkpoint_callback
+        if callback is not None and getattr(callback, "best_model_path", ""):
+            _logger.info(f"`trainer.{stage}()` without a model: using the best checkpoint of the last fit.")
+            return "best"
+        return None
 
     def _model_for(self, stage: str, model: Optional[LightningModule]) -> LightningModule:
         if model is None:
