@@ -6,7 +6,6 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-
 from s3_server import S3Server, run_s3_server
 
 

@@ -84,7 +84,7 @@ class CheckpointIO(ABC):
     def remove_checkpoint(self, path: PathLike) -> None:
         """Delete the checkpoint at ``path`` so that no reader picks a half-removed one."""
 
-    def teardown(self) -> None:
+    def teardown(self) -> None:  # noqa: B027 (an optional hook: most IO holds nothing)
         """Release what the IO holds (threads, pools) when training ends."""
 
     def _resolve(self, path: PathLike) -> tuple[fsspec.AbstractFileSystem, str]:

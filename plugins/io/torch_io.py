@@ -220,7 +220,8 @@ class TorchCheckpointIO(CheckpointIO):
         except BaseException:
             with contextlib.suppress(Exception):
                 file.discard()  # aborts a multipart upload; the previous object stays
-            file.closed = True  # nothing left to flush; keeps __del__ from uploading a torn tail
+            if isinstance(file, AbstractBufferedFile):
+                file.closed = True  # nothing left to flush; keeps __del__ from uploading a torn tail
             raise
         write_commit_marker(fs, fs_path, size=fs.size(fs_path))
 

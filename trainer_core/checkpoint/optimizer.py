@@ -93,7 +93,9 @@ def optimizer_state_to_names(
             "pass the state dict of this very optimizer."
         )
     index_to_name = {
-        index: name for group, names in zip(saved_groups, grouped) for index, name in zip(group[_PARAMS], names)
+        index: name
+        for group, names in zip(saved_groups, grouped)
+        for index, name in zip(group[_PARAMS], names)
     }
     param_groups = []
     for group in saved_groups:
@@ -122,7 +124,9 @@ def optimizer_state_from_names(
         return {}
     where = f"the optimizer state in {path}" if path else "the optimizer state"
     grouped = _ordered_names(optimizer, param_names)
-    saved_group_of = {name: i for i, group in enumerate(named_state[_PARAM_GROUPS]) for name in group[_PARAMS]}
+    saved_group_of = {
+        name: i for i, group in enumerate(named_state[_PARAM_GROUPS]) for name in group[_PARAMS]
+    }
     wanted = [name for names in grouped for name in names]
     missing = [name for name in wanted if name not in saved_group_of]
     unexpected = sorted(set(saved_group_of) - set(wanted))
