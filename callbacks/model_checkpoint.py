@@ -200,7 +200,7 @@ class ModelCheckpoint(Callback):
             self._save_last(trainer, metrics)
 
     def _save_latest(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
-        filepath = self._unique_path(self.format_checkpoint_name(metrics))
+        filepath = trainer.plugin.broadcast(self._unique_path(self.format_checkpoint_name(metrics)))
         previous = self.best_model_path
         self._write(trainer, filepath)
         self.best_model_path = filepath
@@ -219,9 +219,10 @@ class ModelCheckpoint(Callback):
         if torch.isnan(current):
             current = torch.tensor(_MODES[self.mode][1], dtype=torch.float64)
         self.current_score = current
-        if not self._improves_top_k(current):
+        # Rank 0 decides for all: every rank must take part in the save (it is a collective).
+        if not trainer.plugin.broadcast(self._improves_top_k(current)):
             return
-        filepath = self._unique_path(self.format_checkpoint_name(metrics))
+        filepath = trainer.plugin.broadcast(self._unique_path(self.format_checkpoint_name(metrics)))
         self._write(trainer, filepath)
         self.best_k_models[filepath] = current
         dropped = None

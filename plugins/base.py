@@ -9,6 +9,7 @@ all the consolidation rule of ``optimizer_state``.
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
@@ -107,6 +108,9 @@ class TrainingTypePlugin:
         self._checkpoint_io = io
 
     # ------------------------------------------------------------------ lifecycle
+    def configure_devices(self, device_type: str, num_devices: int, num_nodes: int) -> None:
+        """Told by the Trainer which devices it asked for; multi-process plugins size themselves here."""
+
     def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``function`` in every process of this plugin; the base runs it here, once."""
         return function(*args, **kwargs)
@@ -281,6 +285,9 @@ class TrainingTypePlugin:
         self._lightning_module.load_state_dict(state_dict, strict=strict)
 
     def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+        if callable(getattr(optimizer, "consolidate_state_dict", None)):
+            # Sharded optimizers (OSS, ZeRO) edit the dict they load; each rank gets its own copy.
+            state_dict = copy.deepcopy(state_dict)
         optimizer.load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ checkpoint files

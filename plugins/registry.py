@@ -36,6 +36,24 @@ def _register_builtins() -> None:
     from trainer_core.plugins.single_device import SingleDevicePlugin
 
     register_plugin("single_device", SingleDevicePlugin)
+    from trainer_core.plugins.ddp import DDPPlugin
+
+    register_plugin("ddp", DDPPlugin, start_method="popen")
+    register_plugin("ddp_spawn", DDPPlugin, start_method="spawn")
+    register_plugin("ddp_sharded", _sharded)
+    register_plugin("zero", _zero)
+
+
+def _sharded(**kwargs: Any) -> TrainingTypePlugin:
+    from trainer_core.plugins.sharded import DDPShardedPlugin
+
+    return DDPShardedPlugin(**kwargs)
+
+
+def _zero(**kwargs: Any) -> TrainingTypePlugin:
+    from trainer_core.plugins.zero import ZeroPlugin
+
+    return ZeroPlugin(**kwargs)
 
 
 _register_builtins()

@@ -123,6 +123,7 @@ def select_plugin(accelerator: str, strategy: Any, devices: Any, num_nodes: int,
             plugin.set_device(device)
     if checkpoint_io:
         plugin.checkpoint_io = checkpoint_io[-1]
+    plugin.configure_devices(device.type, n_devices, num_nodes)
     return plugin
 
 

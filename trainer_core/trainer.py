@@ -10,6 +10,7 @@ import logging
 import math
 import os
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -241,7 +242,7 @@ class Trainer:
             "fit",
             model,
             datamodule,
-            lambda: loops.run_fit(self, train_dataloaders, val_dataloaders, ckpt_path),
+            partial(loops.run_fit, self, train_dataloaders, val_dataloaders, ckpt_path),
         )
 
     def validate(
@@ -284,7 +285,7 @@ class Trainer:
             "predict",
             model,
             datamodule,
-            lambda: loops.run_predict(self, dataloaders, ckpt_path, return_predictions),
+            partial(loops.run_predict, self, dataloaders, ckpt_path, return_predictions),
         )
 
     def _evaluate(
@@ -305,7 +306,7 @@ class Trainer:
             stage,
             model,
             datamodule,
-            lambda: loops.run_evaluation(self, stage, dataloaders, ckpt_path, verbose),
+            partial(loops.run_evaluation, self, stage, dataloaders, ckpt_path, verbose),
         )
 
     def _default_ckpt_path(self, stage: str, model: Optional[LightningModule], ckpt_path: Any) -> Any:
@@ -343,6 +344,8 @@ class Trainer:
         if datamodule is not None:
             datamodule.trainer = self
         model.trainer = self
+        # The plugin may start processes that each run ``body`` (spawn pickles it: no lambdas here).
+        self.plugin._trainer = self
         return self.plugin.launch(self._guarded, stage, body)
 
     def _guarded(self, stage: str, body: Callable[[], Any]) -> Any:

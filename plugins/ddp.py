@@ -1,0 +1,289 @@
+"""``DDPPlugin``: data parallelism with ``DistributedDataParallel``; gloo on CPU, nccl on CUDA.
+
+Every rank holds the whole model; DDP averages gradients during the backward. The training step
+goes through the DDP wrapper (which is what makes the gradient hooks fire); validation, test and
+prediction call the module directly, so they add no collective. Nothing else runs a collective
+on the step: metrics are reduced only when ``self.log(..., sync_dist=True)`` asks for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
+
+from trainer_core.errors import MisconfigurationException
+from trainer_core.plugins.base import TrainingTypePlugin
+from trainer_core.plugins.environments import ClusterEnvironment, detect_environment
+from trainer_core.plugins.launchers import ScriptLauncher, SpawnLauncher
+
+if TYPE_CHECKING:
+    from trainer_core.plugins.io import CheckpointIO
+
+#: How long a rank waits in a collective for the others before giving up with an error.
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+class _StepRouter(nn.Module):
+    """Lets DDP's ``forward`` run a named step of the LightningModule (``training_step``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, step: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.module, step)(*args, **kwargs)
+
+
+class DDPPlugin(TrainingTypePlugin):
+    """``DistributedDataParallel`` over ``devices`` processes per node."""
+
+    name = "ddp"
+
+    def __init__(
+        self,
+        start_method: str = "popen",
+        process_group_backend: Optional[str] = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__(checkpoint_io=checkpoint_io)
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise MisconfigurationException(
+                f"DDPPlugin(start_method={start_method!r}): use 'popen' (re-run the script), 'spawn', 'fork' or "
+                "'forkserver'."
+            )
+        self.start_method = start_method
+        self.process_group_backend = process_group_backend
+        self.timeout = timeout
+        self.cluster_environment = cluster_environment
+        self._ddp_kwargs = ddp_kwargs
+        self._device_type = "cpu"
+        self._num_devices = 1
+        self._num_nodes = 1
+        self._launcher: Any = None
+
+    # ------------------------------------------------------------------ processes
+    def configure_devices(self, device_type: str, num_devices: int, num_nodes: int) -> None:
+        self._device_type = device_type
+        self._num_devices = num_devices
+        self._num_nodes = num_nodes
+        if self.cluster_environment is None:
+            self.cluster_environment = detect_environment(num_devices, num_nodes)
+        if self.cluster_environment.creates_processes_externally and not dist.is_initialized():
+            self.cluster_environment.validate(num_devices, num_nodes)
+
+    @property
+    def _env(self) -> ClusterEnvironment:
+        if self.cluster_environment is None:
+            self.configure_devices(self._device_type, self._num_devices, self._num_nodes)
+        assert self.cluster_environment is not None
+        return self.cluster_environment
+
+    @property
+    def global_rank(self) -> int:
+        return self._env.global_rank()
+
+    @property
+    def local_rank(self) -> int:
+        return self._env.local_rank()
+
+    @property
+    def node_rank(self) -> int:
+        return self._env.node_rank()
+
+    @property
+    def world_size(self) -> int:
+        return self._env.world_size()
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._device_type == "cuda":
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    @property
+    def backend(self) -> str:
+        return self.process_group_backend or ("nccl" if self._device_type == "cuda" else "gloo")
+
+    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        env = self._env
+        if env.creates_processes_externally or self.world_size == 1 or dist.is_initialized():
+            return function(*args, **kwargs)
+        if self.start_method == "popen":
+            if self._launcher is None:
+                self._launcher = ScriptLauncher(env, self._num_devices, self._num_nodes)
+            return self._launcher.launch(function, *args, **kwargs)
+        launcher = SpawnLauncher(env, self._num_devices, self.start_method)
+        return launcher.launch(function, *args, trainer=self._trainer, **kwargs)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if dist.is_initialized():
+            return
+        env = self._env
+        os.environ.setdefault("MASTER_ADDR", env.main_address)
+        os.environ.setdefault("MASTER_PORT", str(env.main_port))
+        if self._device_type == "cuda":
+            torch.cuda.set_device(self.root_device)
+        dist.init_process_group(
+            self.backend,
+            init_method="env://",
+            rank=self.global_rank,
+            world_size=self.world_size,
+            timeout=self.timeout,
+        )
+
+    # ------------------------------------------------------------------ model
+    def wrap_model(self, module: nn.Module) -> nn.Module:
+        if self.world_size == 1:
+            return module
+        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        return DistributedDataParallel(_StepRouter(module), device_ids=device_ids, **self._ddp_kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        model = self._model
+        if isinstance(model, DistributedDataParallel):
+            return model("training_step", *args, **kwargs)
+        return super().training_step(*args, **kwargs)
+
+    def no_backward_sync(self) -> contextlib.AbstractContextManager:
+        model = self._model
+        if isinstance(model, DistributedDataParallel):
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def teardown(self) -> None:
+        super().teardown()
+        if self._launcher is not None and not self._launcher.children:
+            self._launcher = None
+
+    # ------------------------------------------------------------------ data
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def process_dataloader(self, dataloader: Any, kind: str, use_distributed_sampler: bool) -> Any:
+        if not use_distributed_sampler or self.world_size == 1 or not isinstance(dataloader, DataLoader):
+            return dataloader
+        return with_distributed_sampler(dataloader, kind, self.world_size, self.global_rank)
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: Optional[str] = None) -> None:
+        if dist.is_initialized() and self.world_size > 1:
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized() or self.world_size == 1:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=src)
+        return holder[0]
+
+    def reduce(self, tensor: Union[Tensor, float], reduce_op: str = "mean") -> Union[Tensor, float]:
+        if not dist.is_initialized() or self.world_size == 1:
+            return tensor
+        if reduce_op not in _REDUCE_OPS:
+            raise MisconfigurationException(f"reduce_op={reduce_op!r}: use one of {', '.join(_REDUCE_OPS)}.")
+        value = tensor if isinstance(tensor, Tensor) else torch.tensor(float(tensor))
+        value = (
+            value.detach()
+            .clone()
+            .to(self.root_device, dtype=torch.float32 if not value.is_floating_point() else value.dtype)
+        )
+        dist.all_reduce(value, op=_REDUCE_OPS[reduce_op])
+        if reduce_op == "mean":
+            value = value / self.world_size
+        return value
+
+    def all_gather(self, tensor: Tensor, sync_grads: bool = False) -> Tensor:
+        if not dist.is_initialized() or self.world_size == 1:
+            return tensor.unsqueeze(0)
+        if sync_grads:
+            from torch.distributed.nn.functional import all_gather
+
+            return torch.stack(all_gather(tensor.contiguous()))
+        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(gathered, tensor.contiguous())
+        return torch.stack(gathered)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if not dist.is_initialized() or self.world_size == 1:
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+        return bool(flag.item() == self.world_size) if all else bool(flag.item() > 0)
+
+
+class UnrepeatedDistributedSampler(Sampler[int]):
+    """Each sample once across ranks (``indices[rank::world]``), for prediction, where padding would duplicate outputs."""
+
+    def __init__(self, length: int, num_replicas: int, rank: int) -> None:
+        self.indices = list(range(length))[rank::num_replicas]
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def with_distributed_sampler(loader: DataLoader, kind: str, num_replicas: int, rank: int) -> DataLoader:
+    """The same loader with each rank drawing its own part of the data set (Lightning's rule).
+
+    Training shuffles if the user's loader did (seeded from ``seed_everything``, reshuffled per
+    epoch through ``set_epoch``); evaluation keeps the order; prediction gives each sample to one
+    rank only. A loader with a custom sampler or batch sampler is left alone.
+    """
+    sampler = loader.sampler
+    if isinstance(sampler, DistributedSampler) or not isinstance(sampler, (RandomSampler, SequentialSampler)):
+        return loader
+    if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
+        return loader
+    dataset = loader.dataset
+    if kind == "predict":
+        new_sampler: Sampler = UnrepeatedDistributedSampler(len(dataset), num_replicas, rank)
+    else:
+        new_sampler = DistributedSampler(
+            dataset,
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=isinstance(sampler, RandomSampler) and kind == "train",
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+            drop_last=loader.drop_last if kind == "train" else False,
+        )
+    kwargs: dict[str, Any] = dict(
+        batch_size=loader.batch_size,
+        sampler=new_sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        generator=loader.generator,
+        persistent_workers=loader.persistent_workers,
+    )
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+        kwargs["multiprocessing_context"] = loader.multiprocessing_context
+    return type(loader)(dataset, **kwargs) if type(loader) is DataLoader else DataLoader(dataset, **kwargs)

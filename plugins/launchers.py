@@ -1,0 +1,205 @@
+"""Starting the processes of a run that no outside launcher (torchrun, srun) started.
+
+``ScriptLauncher`` re-runs the user's command as the other local ranks (Lightning's ``"ddp"``):
+nothing needs to be picklable and each rank is an ordinary process. ``SpawnLauncher`` starts the
+ranks with ``torch.multiprocessing`` (``"ddp_spawn"``) and hands rank 0's result and trained
+weights back to the calling process. Both make sure one failing rank ends every rank quickly
+instead of leaving the others blocked in a collective until its timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from trainer_core.plugins.environments import ClusterEnvironment
+
+_POLL_SECONDS = 0.5
+_OUTCOME_FILE = "rank0-outcome.pt"
+
+
+def _script_command() -> list[str]:
+    """The command that started this process, so a child runs exactly the same program."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name not in ("__main__", None):
+        # Started as `python -m package.module`.
+        return [sys.executable, "-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]]
+    script = sys.argv[0]
+    if not script or script == "-c" or not os.path.exists(script):
+        from trainer_core.errors import MisconfigurationException
+
+        raise MisconfigurationException(
+            "plugins='ddp' starts the other ranks by running this program's script again, but this process was "
+            "not started from a script (interactive session or `python -c`). Put the code in a script, use "
+            "torchrun, or pass plugins='ddp_spawn'."
+        )
+    return [sys.executable, os.path.abspath(script), *sys.argv[1:]]
+
+
+class _ChildWatcher(threading.Thread):
+    """Ends the whole run when a child rank dies with an error, so no rank waits on it forever."""
+
+    def __init__(self, children: list[subprocess.Popen]) -> None:
+        super().__init__(daemon=True, name="trainer-core-child-watcher")
+        self.children = children
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(_POLL_SECONDS):
+            for child in self.children:
+                code = child.poll()
+                if code not in (None, 0):
+                    sys.stderr.write(
+                        f"\n[trainer-core] rank process {child.pid} exited with code {code}; ending every rank.\n"
+                    )
+                    sys.stderr.flush()
+                    terminate(self.children)
+                    os._exit(1 if code > 0 else 128 - code)
+
+
+def terminate(children: list[subprocess.Popen], grace_seconds: float = 5.0) -> None:
+    """SIGTERM every live child, then SIGKILL whatever is still there after ``grace_seconds``."""
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_seconds
+    for child in children:
+        remaining = max(0.0, deadline - time.monotonic())
+        try:
+            child.wait(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            child.kill()
+
+
+class ScriptLauncher:
+    """Local rank 0 runs the function; local ranks 1..N-1 are this script started again."""
+
+    def __init__(self, environment: ClusterEnvironment, num_processes: int, num_nodes: int) -> None:
+        self.environment = environment
+        self.num_processes = num_processes
+        self.num_nodes = num_nodes
+        self.children: list[subprocess.Popen] = []
+        self._watcher: Optional[_ChildWatcher] = None
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return False
+
+    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not self.environment.creates_processes_externally and not self.children:
+            self._start_children()
+        try:
+            return function(*args, **kwargs)
+        except BaseException:
+            # Rank 0 failed: the children would wait for it in the next collective until the timeout.
+            self.stop_children()
+            raise
+
+    def _start_children(self) -> None:
+        env = self.environment
+        os.environ["MASTER_ADDR"] = env.main_address
+        os.environ["MASTER_PORT"] = str(env.main_port)
+        os.environ.setdefault("NODE_RANK", str(env.node_rank()))
+        os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
+        command = _script_command()
+        for local_rank in range(1, self.num_processes):
+            child_env = dict(os.environ, LOCAL_RANK=str(local_rank))
+            self.children.append(subprocess.Popen(command, env=child_env, cwd=os.getcwd()))
+        self._watcher = _ChildWatcher(self.children)
+        self._watcher.start()
+
+    def stop_children(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stopped.set()
+        terminate(self.children)
+
+
+class SpawnLauncher:
+    """Start every rank with ``torch.multiprocessing`` (spawn) and return rank 0's result here."""
+
+    def __init__(
+        self, environment: ClusterEnvironment, num_processes: int, start_method: str = "spawn"
+    ) -> None:
+        self.environment = environment
+        self.num_processes = num_processes
+        self.start_method = start_method
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return self.start_method == "fork"
+
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        os.environ["MASTER_ADDR"] = self.environment.main_address
+        os.environ["MASTER_PORT"] = str(self.environment.main_port)
+        with tempfile.TemporaryDirectory(prefix="trainer-core-spawn-") as folder:
+            # start_processes raises (with the rank's traceback) if any rank fails, and ends the others.
+            torch.multiprocessing.start_processes(
+                _spawned_rank,
+                args=(self.num_processes, trainer, function, args, kwargs, folder),
+                nprocs=self.num_processes,
+                start_method=self.start_method,
+            )
+            # Written moments ago by our own rank 0 in a private folder: trusted, so a full unpickle
+            # is fine (predictions may hold any object the user's predict_step returned).
+            outcome = torch.load(os.path.join(folder, _OUTCOME_FILE), weights_only=False)
+            if trainer is not None:
+                _adopt_rank_zero_state(trainer, outcome)
+        return outcome["result"]
+
+
+def _spawned_rank(
+    local_rank: int,
+    num_processes: int,
+    trainer: Any,
+    function: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    folder: str,
+) -> None:
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    os.environ["WORLD_SIZE"] = str(num_processes)
+    if trainer is not None and trainer.lightning_module is not None:
+        # torch.multiprocessing hands CPU tensors to the children in shared memory: without a
+        # private copy every rank would step the very same parameters.
+        trainer.lightning_module._apply(lambda t: t.clone())
+    try:
+        result = function(*args, **kwargs)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    if local_rank != 0:
+        return
+    outcome: dict[str, Any] = {"result": result, "weights": None}
+    if trainer is not None and trainer.lightning_module is not None:
+        outcome["weights"] = {k: v.cpu() for k, v in trainer.lightning_module.state_dict().items()}
+        outcome["callback_metrics"] = {
+            k: v.cpu() if hasattr(v, "cpu") else v for k, v in trainer.callback_metrics.items()
+        }
+        outcome["global_step"] = trainer.global_step
+        outcome["current_epoch"] = trainer.current_epoch
+        outcome["callbacks"] = [cb.state_dict() for cb in trainer.callbacks]
+    torch.save(outcome, os.path.join(folder, _OUTCOME_FILE))
+
+
+def _adopt_rank_zero_state(trainer: Any, outcome: dict[str, Any]) -> None:
+    """Put rank 0's trained weights and counters into the caller's trainer and module."""
+    if outcome.get("weights") is None or trainer.lightning_module is None:
+        return
+    trainer.lightning_module.load_state_dict(outcome["weights"])
+    trainer._callback_metrics.update(outcome.get("callback_metrics", {}))
+    trainer.global_step = outcome.get("global_step", trainer.global_step)
+    trainer.current_epoch = outcome.get("current_epoch", trainer.current_epoch)
+    for cb, cb_state in zip(trainer.callbacks, outcome.get("callbacks", [])):
+        if cb_state:
+            cb.load_state_dict(cb_state)
