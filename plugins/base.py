@@ -254,6 +254,10 @@ class TrainingTypePlugin:
         """Stack ``tensor`` from every process along a new first dimension."""
         return tensor.unsqueeze(0)
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """``obj`` from every process, in rank order (pickled; for small non-tensor state)."""
+        return [obj]
+
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Agree on ``decision`` across processes: every one must hold it (``all``) or any."""
         return decision

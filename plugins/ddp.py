@@ -226,6 +226,13 @@ class DDPPlugin(TrainingTypePlugin):
         dist.all_gather(gathered, tensor.contiguous())
         return torch.stack(gathered)
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not dist.is_initialized() or self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if not dist.is_initialized() or self.world_size == 1:
             return decision

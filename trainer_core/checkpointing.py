@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from trainer_core.trainer import Trainer
 
 KEY_DATAMODULE = "datamodule"
+KEY_RNG_PER_RANK = "rng_states_per_rank"
 KEY_PLUGIN = "plugin"
 
 
@@ -114,6 +115,7 @@ def loop_state(trainer: Trainer) -> dict[str, Any]:
         "epoch_finished": trainer._epoch_finished,
         "total_batch_idx": trainer.total_batch_idx,
         "batches_that_stepped": trainer._batches_that_stepped,
+        "world_size": trainer.world_size,
         # Whether the last batch's validation (if it was due) already ran before this save.
         "validated_last_batch": trainer._validated_batch,
     }
@@ -168,7 +170,12 @@ def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, A
             state = cb.state_dict()
             if state:
                 checkpoint[KEY_CALLBACKS][cb.state_key] = state
-        checkpoint[KEY_RNG] = collect_rng_states()
+        # Every rank's generators: ranks draw different dropout masks, and an exact resume at the
+        # same world size gives each rank back its own stream.
+        per_rank = plugin.all_gather_object(collect_rng_states())
+        checkpoint[KEY_RNG] = per_rank[0]
+        if len(per_rank) > 1:
+            checkpoint[KEY_RNG_PER_RANK] = per_rank
         checkpoint[KEY_PRECISION] = plugin.precision.state_dict()
         if trainer.datamodule is not None:
             dm_state = trainer.datamodule.state_dict()
@@ -287,13 +294,27 @@ def _restore_loops(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
         trainer._resume_epoch_rng = None
     else:
         trainer.current_epoch = loops["epoch"]
-        trainer._resume_batch_idx = loops["batches_done_in_epoch"]
+        done = loops["batches_done_in_epoch"]
+        saved_world = loops.get("world_size", trainer.world_size)
+        if saved_world != trainer.world_size:
+            # Another world size splits the data differently: continue from the same fraction of the
+            # epoch (exact only at the world size the checkpoint was written at).
+            done = round(done * saved_world / trainer.world_size)
+        trainer._resume_batch_idx = done
         trainer._resume_epoch_rng = loops.get("epoch_start_rng")
-    trainer._resume_rng = checkpoint[KEY_RNG]
+    trainer._resume_rng = _rng_for_this_rank(trainer, checkpoint)
     trainer._resume_dataloader_state = loops.get("dataloader")
     trainer._resume_grads = loops.get("accumulated_grads")
     trainer._validated_batch = loops.get("validated_last_batch", False)
     trainer._restored_mid_run = trainer._resume_batch_idx > 0
+
+
+def _rng_for_this_rank(trainer: Trainer, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """This rank's own saved generators at the same world size; rank 0's at another one."""
+    per_rank = checkpoint.get(KEY_RNG_PER_RANK)
+    if per_rank is not None and len(per_rank) == trainer.world_size:
+        return per_rank[trainer.global_rank]
+    return checkpoint[KEY_RNG]
 
 
 def load_module_from_checkpoint(
