@@ -14,8 +14,9 @@ $(VENV)/.installed-%: setup.py
 	$(PIP) install -q -e ".[$*]" "$(TORCH)"
 	touch $@
 
+# The main job: two processes with sharded optimizer state (DDPShardedPlugin).
 demo: $(VENV)/.installed-demo
-	$(PY) examples/digits.py
+	$(PY) examples/digits.py --devices 2
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -26,7 +26,7 @@ _INSTALL_REQUIRES = [
 
 _EXTRAS = {
     "sharded": ["fairscale==0.4.13"],
-    "demo": ["scikit-learn>=1.3"],
+    "demo": ["scikit-learn>=1.3", "fairscale==0.4.13"],
     "test": [
         "pytest>=8",
         "pytest-timeout>=2.2",
@@ -38,6 +38,7 @@ _EXTRAS = {
         # StatefulDataLoader, for mid-epoch resume of the loader's own position.
         "torchdata>=0.8",
         "psutil>=5.9",
+        "fairscale==0.4.13",
     ],
     "bench": ["pytorch-lightning==2.6.6", "psutil>=5.9"],
 }

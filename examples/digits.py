@@ -4,6 +4,7 @@ The module and data module below are written exactly as for Lightning 2.x; only 
 differ. Run it with ``make demo`` or::
 
     python examples/digits.py --max-epochs 15 --default-root-dir demo_runs
+    python examples/digits.py --devices 2            # two processes, sharded optimizer state
 
 The data ships inside scikit-learn, so nothing is downloaded. On two CPU cores it reaches about
 97% validation accuracy in a few seconds.
@@ -115,8 +116,9 @@ class DigitsClassifier(LightningModule):
         x, y = batch
         logits = self(x)
         # Logged per batch and averaged over the epoch weighted by batch size: the exact accuracy.
-        self.log(f"{stage}_loss", F.cross_entropy(logits, y))
-        self.log(f"{stage}_acc", (logits.argmax(dim=-1) == y).float().mean(), prog_bar=True)
+        # sync_dist: with several processes each rank sees part of the data; report the whole.
+        self.log(f"{stage}_loss", F.cross_entropy(logits, y), sync_dist=True)
+        self.log(f"{stage}_acc", (logits.argmax(dim=-1) == y).float().mean(), prog_bar=True, sync_dist=True)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "val")
@@ -156,8 +158,9 @@ def run(
     devices: int = 1,
     seed: int = 42,
     enable_progress_bar: bool = True,
-) -> DemoResult:
-    """Fit, then test; return the accuracies and where the checkpoints went."""
+    plugin: str | None = None,
+) -> DemoResult | None:
+    """Fit, then test; return (on global rank 0) the accuracies and where the checkpoints went."""
     seed_everything(seed, workers=True)
     datamodule = build_datamodule()
     model = DigitsClassifier()
@@ -165,7 +168,7 @@ def run(
     trainer = Trainer(
         max_epochs=max_epochs,
         devices=devices,
-        plugins="single_device",
+        plugins=plugin or ("single_device" if devices == 1 else "ddp_sharded"),
         default_root_dir=default_root_dir,
         callbacks=[checkpoint],
         log_every_n_steps=10,
@@ -176,6 +179,8 @@ def run(
     fit_seconds = time.perf_counter() - start
     val_acc = float(trainer.callback_metrics["val_acc"])
     (test_metrics,) = trainer.test(model, datamodule=datamodule, verbose=False)
+    if not trainer.is_global_zero:
+        return None
     return DemoResult(
         val_acc=val_acc,
         test_acc=float(test_metrics["test_acc"]),
@@ -192,23 +197,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-epochs", type=int, default=15)
     parser.add_argument("--default-root-dir", default="demo_runs", help="local path or fsspec URL")
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--devices", type=int, default=1, help="number of processes on this machine")
     parser.add_argument(
-        "--devices", type=int, default=1, help="number of processes (only 1 until the DDP plugin lands)"
+        "--plugin",
+        default=None,
+        help="training-type plugin (default: single_device for 1 process, ddp_sharded for several)",
     )
     args = parser.parse_args(argv)
-    if args.devices != 1:
-        parser.error("--devices: only 1 is supported so far; several processes arrive with the DDP plugin")
+    if args.devices < 1:
+        parser.error("--devices: use 1 or more")
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> DemoResult:
+def main(argv: Sequence[str] | None = None) -> DemoResult | None:
     args = parse_args(argv)
     result = run(
         max_epochs=args.max_epochs,
         default_root_dir=args.default_root_dir,
         devices=args.devices,
         seed=args.seed,
+        plugin=args.plugin,
     )
+    if result is None:  # not global rank 0: rank 0 reports
+        return result
     print()
     print(f"Final validation accuracy: {result.val_acc:.2%}  (best {result.best_val_acc:.2%})")
     print(f"Test accuracy:             {result.test_acc:.2%}")

@@ -317,3 +317,20 @@ def _accepts_to(fn: Callable[..., Any]) -> bool:
         return "to" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+
+
+def optimizer_defaults(optimizer: Optimizer) -> dict[str, Any]:
+    """The hyper-parameters to build another ``type(optimizer)`` with (for sharded wrappers).
+
+    ``optimizer.defaults`` can hold keys its own ``__init__`` does not take (torch's ``AdamW``
+    stores ``decoupled_weight_decay``, set by its parent class), so only accepted names pass.
+    """
+    import inspect
+
+    try:
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+    except (TypeError, ValueError):
+        return dict(optimizer.defaults)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}

@@ -7,6 +7,7 @@ from typing import Any
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
+from trainer_core.plugins.base import optimizer_defaults
 from trainer_core.plugins.ddp import DDPPlugin
 
 
@@ -26,5 +27,5 @@ class ZeroPlugin(DDPPlugin):
             optimizer.param_groups,
             optimizer_class=type(optimizer),
             parameters_as_bucket_view=self.parameters_as_bucket_view,
-            **optimizer.defaults,
+            **optimizer_defaults(optimizer),
         )
