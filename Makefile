@@ -22,7 +22,7 @@ test: $(VENV)/.installed-test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed-bench
-	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/overhead.py $(BENCH_ARGS)
 
 lint: $(VENV)/.installed-test
 	$(PY) -m ruff check .

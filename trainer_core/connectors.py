@@ -8,7 +8,12 @@ from typing import Any, Optional, Union
 import torch
 
 from trainer_core.callbacks.base import Callback
+from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
+from trainer_core.callbacks.progress import TQDMProgressBar
 from trainer_core.errors import MisconfigurationException
+from trainer_core.loggers import CSVLogger, TensorBoardLogger, tensorboard_available
+from trainer_core.plugins import TrainingTypePlugin, plugin_from_name
+from trainer_core.plugins.io import CheckpointIO
 
 _ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 
@@ -78,9 +83,6 @@ def _device_count(devices: Any) -> int:
 
 def select_plugin(accelerator: str, strategy: Any, devices: Any, num_nodes: int, plugins: Any) -> Any:
     """The one training-type plugin of the run, from ``plugins=``/``strategy=`` or the device count."""
-    from trainer_core.plugins import TrainingTypePlugin, plugin_from_name
-    from trainer_core.plugins.io import CheckpointIO
-
     given = [p for p in _as_list(plugins) if p is not None]
     checkpoint_io = [p for p in given if isinstance(p, CheckpointIO)]
     given = [p for p in given if not isinstance(p, CheckpointIO)]
@@ -143,9 +145,6 @@ def configure_callbacks(
     callbacks: Any, enable_checkpointing: bool, enable_progress_bar: bool
 ) -> list[Callback]:
     """The user's callbacks plus the defaults, with checkpointing callbacks last (Lightning's order)."""
-    from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
-    from trainer_core.callbacks.progress import TQDMProgressBar
-
     result = _as_list(callbacks)
     for cb in result:
         if not isinstance(cb, Callback):
@@ -189,8 +188,6 @@ def _reorder(callbacks: list[Callback]) -> list[Callback]:
 
 def configure_loggers(logger: Any, default_root_dir: str) -> list[Any]:
     """``True``/``None``: TensorBoard if installed, else CSV; ``False``: none; or the user's logger(s)."""
-    from trainer_core.loggers import CSVLogger, TensorBoardLogger, tensorboard_available
-
     if logger is False:
         return []
     if logger is None or logger is True:

@@ -461,6 +461,8 @@ def _make_step(t: Trainer) -> Callable[[Any, int, bool], Any]:
     module = t.lightning_module
     plugin = t.plugin
     assert module is not None
+    from trainer_core.plugins import TrainingTypePlugin
+
     training_step = plugin.training_step
     precision = plugin.precision
     needs_context = precision.forward_context_needed
@@ -487,8 +489,7 @@ def _make_step(t: Trainer) -> Callable[[Any, int, bool], Any]:
     zero_grad_hooks = hooks.on_before_zero_grad
     custom_zero_grad = hooks.optimizer_zero_grad
     custom_step = hooks.optimizer_step
-    backward = plugin.backward
-    optimizer_step = plugin.optimizer_step
+    want_outputs = bool(hooks.on_train_batch_end)
     no_sync = plugin.no_backward_sync
     step_schedulers = any(
         c.interval == "step" and not c.reduce_on_plateau for c in plugin.lr_scheduler_configs
@@ -496,16 +497,42 @@ def _make_step(t: Trainer) -> Callable[[Any, int, bool], Any]:
     epoch_schedulers = any(
         c.interval == "epoch" and not c.reduce_on_plateau for c in plugin.lr_scheduler_configs
     )
-    state: dict[str, Any] = {}
+
+    # Each layer below is skipped when it would do nothing, so the default step costs about what a
+    # hand-written loop does: the module's own training_step, loss.backward(), optimizer.step().
+    if type(plugin).training_step is TrainingTypePlugin.training_step:
+        training_step = module.training_step
+    plain_backward = (
+        type(plugin).backward is TrainingTypePlugin.backward
+        and precision.scaler is None
+        and not hooks.on_before_backward
+        and not hooks.on_after_backward
+        and not is_overridden("backward", module, _base_module())
+    )
+    backward = plugin.backward
+    # Torch's built-in optimizers give the same result whether they call the closure or we call it
+    # first; calling it ourselves saves the closure machinery. LBFGS re-evaluates it, so it keeps it.
+    direct_step = (
+        not custom_step
+        and type(plugin).optimizer_step is TrainingTypePlugin.optimizer_step
+        and precision.scaler is None
+        and type(optimizer).__module__.startswith("torch.optim.")
+        and not isinstance(optimizer, torch.optim.LBFGS)
+    )
+    optimizer_step = plugin.optimizer_step
+    current_batch: Any = None
+    current_idx = 0
+    output: Any = None
 
     def closure() -> Optional[Tensor]:
-        batch, batch_idx = state["batch"], state["batch_idx"]
+        nonlocal output
+        batch_idx = current_idx
         t._current_fx = "training_step"
         if needs_context:
             with precision.forward_context():
-                out = training_step(batch, batch_idx)
+                out = training_step(current_batch, batch_idx)
         else:
-            out = training_step(batch, batch_idx)
+            out = training_step(current_batch, batch_idx)
         if isinstance(out, Tensor):
             loss, extra = out, None
         elif isinstance(out, dict):
@@ -522,7 +549,7 @@ def _make_step(t: Trainer) -> Callable[[Any, int, bool], Any]:
                 f"training_step returned a {type(out).__name__}; return the loss tensor, a dict with 'loss', or None "
                 "to skip the batch."
             )
-        if batch_idx % acc == 0 or acc == 1:
+        if acc == 1 or batch_idx % acc == 0:
             if zero_grad_hooks:
                 t._run_hooks("on_before_zero_grad", zero_grad_hooks, optimizer)
             if custom_zero_grad:
@@ -531,25 +558,32 @@ def _make_step(t: Trainer) -> Callable[[Any, int, bool], Any]:
             else:
                 optimizer.zero_grad()
         if loss is None:
-            state["output"] = None
+            output = None
             return None
         if acc > 1:
             loss = loss / acc
-        backward(loss, optimizer)
-        detached = loss.detach()
-        if extra is None:
-            state["output"] = {"loss": detached}
+        if plain_backward:
+            loss.backward()
         else:
-            state["output"] = {**extra, "loss": detached}
+            backward(loss, optimizer)
+        if want_outputs:
+            output = {"loss": loss.detach()} if extra is None else {**extra, "loss": loss.detach()}
         return loss
 
     t._closure = closure
 
     def automatic_step(batch: Any, batch_idx: int, is_last: bool) -> Any:
-        state["batch"] = batch
-        state["batch_idx"] = batch_idx
-        if acc == 1 or (batch_idx + 1) % acc == 0 or is_last:
-            if custom_step:
+        nonlocal current_batch, current_idx
+        current_batch = batch
+        current_idx = batch_idx
+        if acc == 1 or is_last or (batch_idx + 1) % acc == 0:
+            if direct_step:
+                closure()
+                after = t._after_closure
+                if after is not None:
+                    after(optimizer)
+                optimizer.step()
+            elif custom_step:
                 t._current_fx = "optimizer_step"
                 module.optimizer_step(t.current_epoch, batch_idx, lightning_optimizer, closure)
             else:
@@ -562,7 +596,7 @@ def _make_step(t: Trainer) -> Callable[[Any, int, bool], Any]:
         else:
             with no_sync():
                 closure()
-        return state["output"]
+        return output
 
     return automatic_step
 

@@ -177,19 +177,20 @@ class LightningModule(nn.Module):
         results = trainer._results
         if results is None:
             return
+        # Positional on purpose: this runs on every step that logs.
         results.log(
             fx,
             name,
             value,
-            prog_bar=prog_bar,
-            logger=True if logger is None else logger,
-            on_step=on_step,
-            on_epoch=on_epoch,
-            reduce_fx=reduce_fx,
-            enable_graph=enable_graph,
-            sync_dist=sync_dist,
-            batch_size=batch_size,
-            rank_zero_only=rank_zero_only,
+            prog_bar,
+            True if logger is None else logger,
+            on_step,
+            on_epoch,
+            reduce_fx,
+            enable_graph,
+            sync_dist,
+            batch_size,
+            rank_zero_only,
         )
 
     def log_dict(

@@ -198,7 +198,7 @@ class ResultCollection:
                 fx, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, rank_zero_only
             )
         if isinstance(value, Tensor):
-            if not enable_graph:
+            if not enable_graph and value.requires_grad:
                 value = value.detach()
             if value.numel() != 1:
                 raise MisconfigurationException(

@@ -20,6 +20,13 @@ from torch.optim import Optimizer
 
 from trainer_core import loops
 from trainer_core.callbacks.base import Callback
+from trainer_core.connectors import (
+    configure_callbacks,
+    configure_loggers,
+    select_plugin,
+    validate_limit,
+    validate_positive_int,
+)
 from trainer_core.datamodule import LightningDataModule
 from trainer_core.errors import MisconfigurationException
 from trainer_core.hooks import Hooks
@@ -73,11 +80,6 @@ class Trainer:
         default_root_dir: Optional[Union[str, os.PathLike]] = None,
         optimizer_in_backward: bool = False,
     ) -> None:
-        from trainer_core.connectors import (
-            select_plugin,
-            validate_limit,
-            validate_positive_int,
-        )
 
         self.plugin = select_plugin(accelerator, strategy, devices, num_nodes, plugins)
         self.accelerator = accelerator
@@ -156,8 +158,6 @@ class Trainer:
 
         self._default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
         self.enable_model_summary = True if enable_model_summary is None else enable_model_summary
-
-        from trainer_core.connectors import configure_callbacks, configure_loggers
 
         self.loggers = configure_loggers(logger, self._default_root_dir)
         self.callbacks: list[Callback] = configure_callbacks(

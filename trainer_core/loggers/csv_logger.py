@@ -39,6 +39,7 @@ class CSVLogger(Logger):
         self._flush_every = flush_logs_every_n_steps
         self._storage_options = storage_options or {}
         self._rows: list[dict[str, Any]] = []
+        self._target: Optional[tuple[Any, str]] = None
         self._keys: list[str] = []
         self._calls = 0
 
@@ -91,11 +92,14 @@ class CSVLogger(Logger):
     def save(self) -> None:
         if not self._rows:
             return
-        fs, folder = paths.resolve(self.log_dir, **self._storage_options)
-        fs.makedirs(folder, exist_ok=True)
-        path = f"{folder}/{METRICS_FILE}"
+        if self._target is None:
+            fs, folder = paths.resolve(self.log_dir, **self._storage_options)
+            fs.makedirs(folder, exist_ok=True)
+            self._target = (fs, f"{folder}/{METRICS_FILE}")
+        fs, path = self._target
         new_keys = [k for row in self._rows for k in row if k not in self._keys]
-        if new_keys or not fs.exists(path):
+        # Once this logger has written the header, the common case appends without asking the store.
+        if new_keys or not self._keys:
             old_rows = _read_rows(fs, path) if fs.exists(path) else []
             for key in new_keys:
                 if key not in self._keys:
