@@ -21,8 +21,10 @@ demo: $(VENV)/.installed-demo
 test: $(VENV)/.installed-test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Every benchmark, each side by side with its baselines; BENCH_ARGS=--quick for a short run.
+BENCHMARKS ?= overhead checkpoint
 bench: $(VENV)/.installed-bench
-	$(PY) benchmarks/overhead.py $(BENCH_ARGS)
+	set -e; for b in $(BENCHMARKS); do $(PY) benchmarks/$$b.py $(BENCH_ARGS); done
 
 lint: $(VENV)/.installed-test
 	$(PY) -m ruff check .

@@ -40,7 +40,7 @@ _EXTRAS = {
         "psutil>=5.9",
         "fairscale==0.4.13",
     ],
-    "bench": ["pytorch-lightning==2.6.6", "psutil>=5.9"],
+    "bench": ["pytorch-lightning==2.6.6", "psutil>=5.9", "fairscale==0.4.13"],
 }
 
 setup(
