@@ -8,6 +8,7 @@ on the step: metrics are reduced only when ``self.log(..., sync_dist=True)`` ask
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 from datetime import timedelta
@@ -149,6 +150,9 @@ class DDPPlugin(TrainingTypePlugin):
             world_size=self.world_size,
             timeout=self.timeout,
         )
+        # Kept for later fit/test calls in this process, but destroyed before the interpreter
+        # exits: left to static destructors, gloo can abort the process at exit (SIGABRT).
+        atexit.register(_destroy_process_group)
 
     # ------------------------------------------------------------------ model
     def wrap_model(self, module: nn.Module) -> nn.Module:
@@ -239,6 +243,11 @@ class DDPPlugin(TrainingTypePlugin):
         flag = torch.tensor(int(decision), device=self.root_device)
         dist.all_reduce(flag, op=dist.ReduceOp.SUM)
         return bool(flag.item() == self.world_size) if all else bool(flag.item() > 0)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class UnrepeatedDistributedSampler(Sampler[int]):

@@ -128,9 +128,17 @@ class SLURMEnvironment(ClusterEnvironment):
 
 
 def _first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list such as ``node[12-14,20],other``."""
-    first = nodelist.split(",")[0]
-    match = re.match(r"([^\[]+)\[(\d+)", nodelist)
+    """The first host of a SLURM node list such as ``node[12-14,20],other`` or ``host1,node[5-6]``."""
+    depth = 0
+    end = len(nodelist)
+    for i, char in enumerate(nodelist):
+        depth += char == "["
+        depth -= char == "]"
+        if char == "," and depth == 0:
+            end = i
+            break
+    first = nodelist[:end].strip()
+    match = re.match(r"([^\[]+)\[(\d+)", first)
     if match:
         return f"{match.group(1)}{match.group(2)}"
     return first

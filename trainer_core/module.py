@@ -224,6 +224,17 @@ class LightningModule(nn.Module):
                 rank_zero_only=rank_zero_only,
             )
 
+    def all_gather(self, data: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
+        """Every tensor in ``data`` gathered from all processes, stacked along a new first dimension."""
+        from lightning_utilities.core.apply_func import apply_to_collection
+
+        plugin = self.trainer.plugin
+
+        def gather(t: Tensor) -> Tensor:
+            return plugin.all_gather(t, sync_grads=sync_grads)
+
+        return apply_to_collection(data, Tensor, gather)
+
     @rank_zero_only
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on global rank 0 only."""
