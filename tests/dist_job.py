@@ -186,6 +186,7 @@ def main() -> None:
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val (by norm)")
     parser.add_argument("--max-epochs", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--optimizer", default="adam", choices=["adam", "oss", "zero"])
@@ -237,6 +238,7 @@ def main() -> None:
         enable_progress_bar=args.progress_bar,
         enable_model_summary=False,
         accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip,
         callbacks=callbacks,
         default_root_dir=str(out / "root"),
     )

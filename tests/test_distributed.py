@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -78,7 +78,9 @@ def _reference_model() -> Net:
     return Net()
 
 
-def reference_weights(batch_size: int, accumulate: int = 1, epochs: int = 2) -> dict[str, torch.Tensor]:
+def reference_weights(
+    batch_size: int, accumulate: int = 1, epochs: int = 2, clip: Optional[float] = None
+) -> dict[str, torch.Tensor]:
     """A plain single-process loop over the combined batch (what every rank together sees)."""
     model = _reference_model()
     opt = torch.optim.Adam(model.parameters(), lr=LR)
@@ -89,6 +91,8 @@ def reference_weights(batch_size: int, accumulate: int = 1, epochs: int = 2) -> 
             loss = nn.functional.mse_loss(model.net(bx), by) / accumulate
             loss.backward()
             if (i + 1) % accumulate == 0 or i + 1 == len(batches):
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 opt.step()
                 opt.zero_grad()
     return model.state_dict()
@@ -458,3 +462,17 @@ def test_sync_dist_and_rank_zero_logging(tmp_path: Path) -> None:
     assert "stderr of local rank 1" in bar_rank1  # the file does catch what rank 1 prints
     assert "Epoch 0" in bar_rank0
     assert "Epoch" not in bar_rank1 and "it/s" not in bar_rank1, bar_rank1[-2000:]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("plugin", ["ddp", "ddp_sharded", "zero"])
+def test_gradient_clipping_by_norm_uses_the_global_norm(tmp_path: Path, plugin: str) -> None:
+    """Clipping must see the norm of the averaged gradient of the whole model, also when each rank
+    holds only its shard of it (OSS computes the norm across ranks)."""
+    _run(tmp_path, "--out", "out", "--plugin", plugin, "--devices", "2", "--clip", "0.05")
+    expected = reference_weights(batch_size=16, clip=0.05)
+    _assert_weights_close(_weights(tmp_path / "out"), expected, atol=1e-6)
+    unclipped = reference_weights(batch_size=16)
+    assert any((unclipped[k] - expected[k]).abs().max() > 1e-3 for k in expected), (
+        "the clip value must matter"
+    )
