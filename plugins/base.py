@@ -279,6 +279,28 @@ class TrainingTypePlugin:
             return optimizer.state_dict() if self.is_global_zero else {}
         return optimizer.state_dict()
 
+    def named_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """``optimizer_state`` keyed by parameter name, the form checkpoints store.
+
+        Names instead of indices make a checkpoint loadable by another plugin at another world
+        size: the loading side maps each name to whatever parameter (or shard) it holds.
+        """
+        from trainer_core.checkpoint import optimizer_state_to_names, parameter_names
+
+        assert self._lightning_module is not None
+        return optimizer_state_to_names(
+            self.optimizer_state(optimizer), optimizer, parameter_names(self._lightning_module)
+        )
+
+    def prepare_optimizer_state(self, optimizer: Optimizer, named_state: dict[str, Any], path: str) -> Any:
+        """Check a name-keyed state against ``optimizer`` and turn it into what it loads; raises, changes nothing."""
+        from trainer_core.checkpoint import optimizer_state_from_names, parameter_names
+
+        assert self._lightning_module is not None
+        return optimizer_state_from_names(
+            named_state, optimizer, parameter_names(self._lightning_module), path
+        )
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's full state dict (parameters, buffers and extra state), keyed by name."""
         assert self._lightning_module is not None

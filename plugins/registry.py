@@ -42,6 +42,7 @@ def _register_builtins() -> None:
     register_plugin("ddp_spawn", DDPPlugin, start_method="spawn")
     register_plugin("ddp_sharded", _sharded)
     register_plugin("zero", _zero)
+    register_plugin("fsdp", _fsdp)
 
 
 def _sharded(**kwargs: Any) -> TrainingTypePlugin:
@@ -54,6 +55,12 @@ def _zero(**kwargs: Any) -> TrainingTypePlugin:
     from trainer_core.plugins.zero import ZeroPlugin
 
     return ZeroPlugin(**kwargs)
+
+
+def _fsdp(**kwargs: Any) -> TrainingTypePlugin:
+    from trainer_core.plugins.fsdp import FSDPPlugin
+
+    return FSDPPlugin(**kwargs)
 
 
 _register_builtins()

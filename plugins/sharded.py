@@ -32,7 +32,9 @@ class DDPShardedPlugin(DDPPlugin):
 
         if not isinstance(optimizer, OSS):
             # The same param-group dicts: a scheduler that changes the user's learning rate changes OSS's.
-            optimizer = OSS(params=optimizer.param_groups, optim=type(optimizer), **optimizer_defaults(optimizer))
+            optimizer = OSS(
+                params=optimizer.param_groups, optim=type(optimizer), **optimizer_defaults(optimizer)
+            )
             optimizer.broadcast_fp16 = self.precision.name == "16-mixed"
         if self._ddp_kwargs.get("reduce_buffer_size", 0) > 0:
             _zero_grads_in_place(optimizer)

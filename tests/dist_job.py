@@ -21,7 +21,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from trainer_core import LightningModule, Trainer, seed_everything
 from trainer_core.callbacks import Callback, ModelCheckpoint
-from trainer_core.checkpoint import optimizer_state_to_names, parameter_names
 from trainer_core.plugins.io import TorchCheckpointIO
 
 LR = 0.01
@@ -130,13 +129,11 @@ class Record(Callback):
         with open(os.path.join(self.out, f"pid.rank{trainer.global_rank}"), "w") as f:
             f.write(str(os.getpid()))
         if self.dump_restored:
-            names = parameter_names(pl_module)
-            # Consolidation is a collective: every rank calls it, rank 0 holds the result.
-            states = [
-                optimizer_state_to_names(plugin.optimizer_state(opt), opt, names) for opt in plugin.optimizers
-            ]
+            # Consolidation (or FSDP's gathering) is a collective: every rank calls it, rank 0 holds the result.
+            states = [plugin.named_optimizer_state(opt) for opt in plugin.optimizers]
+            full_weights = plugin.lightning_module_state_dict()
             if trainer.is_global_zero:
-                weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+                weights = {k: v.detach().clone() for k, v in full_weights.items()}
                 torch.save(
                     {"weights": weights, "optimizer_states": states, "global_step": trainer.global_step},
                     os.path.join(self.out, "restored.pt"),
@@ -152,8 +149,12 @@ class Record(Callback):
             "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "final_global_step": trainer.global_step,
         }
+        weights = pl_module.state_dict()
+        if any(hasattr(v, "full_tensor") for v in weights.values()):
+            # FSDP: every rank takes part in gathering the full parameters, then keeps a copy.
+            weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in weights.items()}
         torch.save(
-            {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+            {k: v.detach().clone() for k, v in weights.items()},
             os.path.join(self.out, f"rank{rank}.pt"),
         )
         with open(os.path.join(self.out, f"rank{rank}.json"), "w") as f:

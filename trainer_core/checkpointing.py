@@ -32,9 +32,6 @@ from trainer_core.checkpoint import (
     KEY_STATE_DICT,
     KEY_VERSION,
     check_state_dict_matches,
-    optimizer_state_from_names,
-    optimizer_state_to_names,
-    parameter_names,
     validate_checkpoint,
 )
 from trainer_core.errors import CheckpointError
@@ -156,11 +153,7 @@ def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, A
     if module.hparams:
         checkpoint[KEY_HPARAMS] = _plain_hparams(dict(module.hparams))
     if not weights_only:
-        names = parameter_names(module)
-        checkpoint[KEY_OPTIMIZER_STATES] = [
-            optimizer_state_to_names(plugin.optimizer_state(opt), _inner(opt), names)
-            for opt in plugin.optimizers
-        ]
+        checkpoint[KEY_OPTIMIZER_STATES] = [plugin.named_optimizer_state(opt) for opt in plugin.optimizers]
         checkpoint[KEY_LR_SCHEDULERS] = [
             config.scheduler.state_dict() for config in plugin.lr_scheduler_configs
         ]
@@ -186,11 +179,6 @@ def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, A
             cb.on_save_checkpoint(trainer, module, checkpoint)
     trainer._call_module_hook("on_save_checkpoint", checkpoint)
     return checkpoint
-
-
-def _inner(optimizer: Any) -> Any:
-    """The optimizer whose ``param_groups`` list the parameters (a sharded wrapper's own groups do)."""
-    return optimizer
 
 
 # ---------------------------------------------------------------------- restore
@@ -247,10 +235,8 @@ def restore_checkpoint(
                 f"{path} holds the state of {len(saved)} optimizer(s) but configure_optimizers returned "
                 f"{len(plugin.optimizers)}; resume with the optimizers the run was saved with."
             )
-        names = parameter_names(module)
         optimizer_states = [
-            optimizer_state_from_names(state, _inner(opt), names, path)
-            for state, opt in zip(saved, plugin.optimizers)
+            plugin.prepare_optimizer_state(opt, state, path) for state, opt in zip(saved, plugin.optimizers)
         ]
         schedulers = checkpoint[KEY_LR_SCHEDULERS]
         if len(schedulers) != len(plugin.lr_scheduler_configs):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
+from trainer_core.plugins.io.async_io import AsyncCheckpointIO
 from trainer_core.plugins.io.checkpoint_io import COMMIT_MARKER_SUFFIX, CheckpointIO
 from trainer_core.plugins.io.torch_io import TorchCheckpointIO
 
-__all__ = ["COMMIT_MARKER_SUFFIX", "CheckpointIO", "TorchCheckpointIO"]
+__all__ = ["COMMIT_MARKER_SUFFIX", "AsyncCheckpointIO", "CheckpointIO", "TorchCheckpointIO"]

@@ -1,0 +1,258 @@
+"""``FSDPPlugin``: fully sharded data parallelism with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Parameters, gradients and optimizer state are sharded across ranks (``DTensor`` shards);
+each wrapped block gathers its parameters for its forward and backward only. FSDP2 runs on CPU
+with gloo, so everything here is tested without an accelerator. The checkpoint keeps the same
+name-keyed format as every other plugin: ``"full"`` gathers model and optimizer state to rank 0
+(``torch.distributed.checkpoint.state_dict``); ``"sharded"`` lets every rank write its own
+shards through ``DistributedCheckpointIO``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+from lightning_utilities.core.overrides import is_overridden
+from torch import nn
+from torch.optim import Optimizer
+
+from trainer_core.errors import CheckpointError, MisconfigurationException
+from trainer_core.plugins.ddp import DDPPlugin
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from trainer_core.trainer import Trainer
+
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+STATE_DICT_TYPES = ("full", "sharded")
+
+
+class FSDPPlugin(DDPPlugin):
+    """Shard the model with ``fully_shard``: per block of ``auto_wrap_policy`` classes, then the root.
+
+    ``hybrid_shard=(replicas, shards)`` builds a 2-D mesh (HSDP): parameters are sharded within a
+    group of ``shards`` ranks and replicated across ``replicas`` groups. A module may instead call
+    ``fully_shard`` itself in ``configure_model`` (with ``self.trainer.strategy.device_mesh``);
+    the plugin then shards only the root.
+    """
+
+    name = "fsdp"
+
+    def __init__(
+        self,
+        auto_wrap_policy: Optional[Union[set[type[nn.Module]], list[type[nn.Module]]]] = None,
+        mixed_precision: Optional[MixedPrecisionPolicy] = None,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        state_dict_type: str = "full",
+        hybrid_shard: Optional[tuple[int, int]] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if state_dict_type not in STATE_DICT_TYPES:
+            raise MisconfigurationException(
+                f"FSDPPlugin(state_dict_type={state_dict_type!r}): use 'full' (one file, written by rank 0) or "
+                "'sharded' (a folder, every rank writes its shard)."
+            )
+        self.auto_wrap_policy = set(auto_wrap_policy or ())
+        self.mixed_precision = mixed_precision
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+        self.state_dict_type = state_dict_type
+        self.hybrid_shard = hybrid_shard
+        self._device_mesh: Optional[DeviceMesh] = None
+        if state_dict_type == "sharded" and self._checkpoint_io is None:
+            from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
+
+            self._checkpoint_io = DistributedCheckpointIO()
+
+    # ------------------------------------------------------------------ mesh and sharding
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The data-parallel mesh: 1-D (shard), or 2-D ``("replicate", "shard")`` under HSDP."""
+        if self._device_mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            device = self.root_device.type
+            if self.hybrid_shard is not None:
+                replicas, shards = self.hybrid_shard
+                if replicas * shards != self.world_size:
+                    raise MisconfigurationException(
+                        f"FSDPPlugin(hybrid_shard={self.hybrid_shard}) needs {replicas * shards} processes, but the "
+                        f"run has {self.world_size}; make replicas x shards equal devices x num_nodes."
+                    )
+                self._device_mesh = init_device_mesh(
+                    device, (replicas, shards), mesh_dim_names=("replicate", "shard")
+                )
+            else:
+                self._device_mesh = init_device_mesh(device, (self.world_size,), mesh_dim_names=("shard",))
+        return self._device_mesh
+
+    def setup(self, trainer: Trainer) -> None:
+        # FSDP2 turns parameters into DTensor shards, so the optimizers are built after sharding.
+        self._trainer = trainer
+        module = self._lightning_module
+        assert module is not None
+        self.precision.convert_module(module)
+        self.model_to_device()
+        self._shard(module)
+        if trainer.training:
+            self.setup_optimizers(trainer)
+        self.model = module
+
+    def _shard_kwargs(self) -> dict[str, Any]:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        return {
+            "mesh": self.device_mesh,
+            "reshard_after_forward": self.reshard_after_forward,
+            "mp_policy": self.mixed_precision or MixedPrecisionPolicy(),
+            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+        }
+
+    def _shard(self, module: nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+        kwargs = self._shard_kwargs()
+        already = any(isinstance(m, FSDPModule) for m in module.modules())
+        if not already:
+            for sub in list(module.modules()):
+                if sub is not module and type(sub) in self.auto_wrap_policy:
+                    fully_shard(sub, **kwargs)
+        if not isinstance(module, FSDPModule):
+            fully_shard(module, **kwargs)
+        # The steps are not `forward`: register them so FSDP gathers the root's parameters for them.
+        for name in _STEP_METHODS:
+            if is_overridden(name, module, _base_module()):
+                register_fsdp_forward_method(module, name)
+
+    def wrap_model(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self._lightning_module is not None
+        return self._lightning_module.training_step(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _skip_gradient_sync(self) -> Iterator[None]:
+        module = self._lightning_module
+        module.set_requires_gradient_sync(False)  # type: ignore[union-attr]
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)  # type: ignore[union-attr]
+
+    def no_backward_sync(self) -> contextlib.AbstractContextManager:
+        if self.world_size == 1:
+            return contextlib.nullcontext()
+        return self._skip_gradient_sync()
+
+    def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
+        """Clip by the norm of the whole (sharded) gradient: DTensor reduces it across ranks."""
+        self.precision.unscale_gradients(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if algorithm == "norm":
+            norm = torch.nn.utils.clip_grad_norm_(params, clip_val, foreach=True)
+            del norm
+        else:
+            torch.nn.utils.clip_grad_value_(params, clip_val)
+
+    # ------------------------------------------------------------------ state
+    def _options(self, full: bool) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        if full:
+            return StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return StateDictOptions(full_state_dict=False)
+
+    @property
+    def _full(self) -> bool:
+        return self.state_dict_type == "full"
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self._lightning_module, options=self._options(self._full))
+
+    def load_model_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        options = StateDictOptions(full_state_dict=_is_full(state_dict), strict=strict)
+        set_model_state_dict(self._lightning_module, state_dict, options=options)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return self.named_optimizer_state(optimizer)
+
+    def named_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Keyed by parameter name already (torch's fully-qualified names of the module)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self._lightning_module, optimizer, options=self._options(self._full))
+
+    def prepare_optimizer_state(self, optimizer: Optimizer, named_state: dict[str, Any], path: str) -> Any:
+        wanted = {name for name, p in self._lightning_module.named_parameters() if p.requires_grad}  # type: ignore[union-attr]
+        saved = set(named_state.get("state", {})) | {
+            n for g in named_state.get("param_groups", []) for n in g["params"]
+        }
+        missing = sorted(wanted - saved)
+        unexpected = sorted(saved - wanted)
+        if missing or unexpected:
+            raise CheckpointError(
+                f"the optimizer state in {path} does not match {type(optimizer).__name__}: parameters the checkpoint "
+                f"lacks {missing[:20]}, parameters the optimizer lacks {unexpected[:20]}. configure_optimizers must "
+                "optimize the same parameters as the run that saved the checkpoint."
+            )
+        return named_state
+
+    def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=_is_full(state_dict))
+        set_optimizer_state_dict(self._lightning_module, optimizer, state_dict, options=options)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str, storage_options: Optional[Any] = None
+    ) -> None:
+        if self._full:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+        else:
+            # Every rank writes its own shards.
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def remove_checkpoint(self, filepath: str) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
+
+    def teardown(self) -> None:
+        super().teardown()
+
+
+def _is_full(state: dict[str, Any]) -> bool:
+    """Whether a loaded state holds plain tensors (a full checkpoint) rather than DTensor shards."""
+    from torch.distributed.tensor import DTensor
+
+    for value in _tensors(state):
+        return not isinstance(value, DTensor)
+    return True
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+
+
+def _base_module() -> type:
+    from trainer_core.module import LightningModule
+
+    return LightningModule
