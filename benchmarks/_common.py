@@ -238,3 +238,144 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
 def log(message: str) -> None:
     """Progress lines go to stderr so that stdout holds only the table."""
     print(message, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- multi-process jobs
+#
+# A distributed worker is one job of several ranks: the parent starts rank 0 only, and rank 0
+# starts the other ranks the way its implementation does (a framework's launcher re-running the
+# script, or the plain loop's own ``subprocess.Popen``). Each rank writes ``rank<N>.json`` into the
+# job's result folder. Times that must compare across processes use CLOCK_BOOTTIME, the clock in
+# which the kernel counts a process's start time (``/proc/<pid>/stat``, field 22).
+
+
+def boottime() -> float:
+    """Seconds since boot: one clock shared by every process, and the one process start times use."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def process_start_boottime(pid: int | str = "self") -> float:
+    """When process ``pid`` started, in :func:`boottime` seconds (clock-tick resolution, 10 ms)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for MASTER_PORT)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def local_rank() -> int:
+    """This process's rank among the job's processes on this machine (``LOCAL_RANK``; 0 when unset)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def serve_rank_worker(result_dir: str | Path, handler: Callable[[], dict[str, Any]]) -> None:
+    """One rank of a job: run ``handler`` and write its result (or traceback) to ``rank<N>.json``."""
+    rank = local_rank()
+    try:
+        result = handler()
+    except BaseException:  # the parent needs every failure reported, KeyboardInterrupt included
+        result = {"error": traceback.format_exc()}
+    result["pid"] = os.getpid()
+    path = Path(result_dir) / f"rank{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(path)  # the parent polls for the file: it must never see half of it
+
+
+def run_rank_job(
+    command: Sequence[str],
+    world_size: int,
+    *,
+    timeout: float = 900.0,
+    show_output: bool = False,
+    extra_env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Start rank 0 of a job (``command`` plus ``--result-dir DIR``) and wait for every rank to end.
+
+    Returns ``{"ranks": [result of rank 0, 1, ...], "start_boottime": ..., "job_s": ...}``, where
+    ``job_s`` runs from just before rank 0 starts until the last rank's process is gone. Rank 0 is
+    started in a session of its own so that a hung job is ended whole (every rank it started).
+    """
+    import signal
+
+    env = {**worker_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(extra_env or {})}
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
+        env.pop(name, None)  # rank 0 must see itself as the first process of a fresh job
+    with tempfile.TemporaryDirectory(prefix="bench-job-") as tmp:
+        result_dir = Path(tmp) / "results"
+        result_dir.mkdir()
+        run_dir = Path(tmp) / "run"
+        run_dir.mkdir()
+        cmd = [sys.executable, *command, "--result-dir", str(result_dir)]
+        sink = None if show_output else subprocess.DEVNULL
+        deadline = time.monotonic() + timeout
+        start = boottime()
+        proc = subprocess.Popen(
+            cmd, stdout=sink, stderr=sink, env=env, cwd=str(run_dir), start_new_session=True
+        )
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            end = boottime()
+            results = []
+            for rank in range(world_size):
+                path = result_dir / f"rank{rank}.json"
+                while not path.exists():
+                    if rank == 0 or time.monotonic() > deadline:  # rank 0 has exited already
+                        raise WorkerError(
+                            f"rank {rank} of {command} wrote no result (rank 0 exit status {proc.returncode})"
+                        )
+                    time.sleep(0.005)
+                result = json.loads(path.read_text())
+                if "error" in result:
+                    raise WorkerError(f"job {command} failed on rank {rank}:\n{result['error']}")
+                if rank:
+                    _wait_gone(result["pid"], deadline)
+                    end = max(end, boottime())
+                results.append(result)
+        except subprocess.TimeoutExpired as err:
+            raise WorkerError(f"job {command} ran past {timeout:.0f} s") from err
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever of this job is still running
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    return {"ranks": results, "start_boottime": start, "job_s": end - start}
+
+
+def _wait_gone(pid: int, deadline: float) -> None:
+    """Wait until process ``pid`` (not our child) has exited; a zombie counts as exited, since its
+    reaping is up to its parent, or to PID 1 once rank 0 is gone, and that can take a second."""
+    import psutil
+
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.005)
+    raise subprocess.TimeoutExpired(str(pid), 0)
+
+
+def write_profile(profiler: Any, path: str | Path, lines: int = 40) -> Path:
+    """Dump a ``cProfile.Profile`` to ``path`` and its top ``lines`` (own time, cumulative) to ``path``.txt."""
+    import io
+    import pstats
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profiler.dump_stats(str(path))
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).strip_dirs()
+    stats.sort_stats("tottime").print_stats(lines)
+    stats.sort_stats("cumulative").print_stats(lines)
+    txt = path.with_suffix(".txt")
+    txt.write_text(text.getvalue())
+    return txt

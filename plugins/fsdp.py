@@ -215,12 +215,42 @@ class FSDPPlugin(DDPPlugin):
         options = StateDictOptions(full_state_dict=_is_full(state_dict))
         set_optimizer_state_dict(self._lightning_module, optimizer, state_dict, options=options)
 
+    def load_checkpoint(self, filepath: str) -> dict[str, Any]:
+        """A sharded folder is read straight into this run's own shards (resharded by DCP); a file whole."""
+        from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO, is_sharded_checkpoint
+
+        if not is_sharded_checkpoint(filepath):
+            return super().load_checkpoint(filepath)
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        options = self._options(full=False)
+        template: dict[str, Any] = {
+            "state_dict": get_model_state_dict(self._lightning_module, options=options)
+        }
+        if self.optimizers:
+            template["optimizer_states"] = [
+                get_optimizer_state_dict(self._lightning_module, opt, options=options)
+                for opt in self.optimizers
+            ]
+        io = self.checkpoint_io
+        if not isinstance(io, DistributedCheckpointIO):
+            io = DistributedCheckpointIO()
+        return io.load_into(filepath, template)
+
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str, storage_options: Optional[Any] = None
     ) -> None:
         if self._full:
             super().save_checkpoint(checkpoint, filepath, storage_options)
         else:
+            from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
+
+            io = getattr(self.checkpoint_io, "checkpoint_io", self.checkpoint_io)  # through AsyncCheckpointIO
+            if not isinstance(io, DistributedCheckpointIO):
+                raise MisconfigurationException(
+                    f"FSDPPlugin(state_dict_type='sharded') writes with DistributedCheckpointIO, but the run was given "
+                    f"{type(io).__name__}; drop that CheckpointIO from `plugins=`, or use state_dict_type='full'."
+                )
             # Every rank writes its own shards.
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 

@@ -130,8 +130,8 @@ class Record(Callback):
             f.write(str(os.getpid()))
         if self.dump_restored:
             # Consolidation (or FSDP's gathering) is a collective: every rank calls it, rank 0 holds the result.
-            states = [plugin.named_optimizer_state(opt) for opt in plugin.optimizers]
-            full_weights = plugin.lightning_module_state_dict()
+            states = [_full(plugin.named_optimizer_state(opt)) for opt in plugin.optimizers]
+            full_weights = _full(plugin.lightning_module_state_dict())
             if trainer.is_global_zero:
                 weights = {k: v.detach().clone() for k, v in full_weights.items()}
                 torch.save(
@@ -159,6 +159,28 @@ class Record(Callback):
         )
         with open(os.path.join(self.out, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
+
+
+def _full(obj: Any) -> Any:
+    """DTensor shards (sharded FSDP state) gathered to whole tensors; every rank must call this."""
+    if hasattr(obj, "full_tensor"):
+        return obj.full_tensor()
+    if isinstance(obj, dict):
+        return {k: _full(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_full(v) for v in obj]
+    return obj
+
+
+def _plugin(name: str) -> Any:
+    """A registered name, or one of the FSDP variants the tests use."""
+    from trainer_core.plugins import FSDPPlugin
+
+    if name == "fsdp_sharded":
+        return FSDPPlugin(state_dict_type="sharded")
+    if name == "hsdp":
+        return FSDPPlugin(state_dict_type="sharded", hybrid_shard=(2, 2))
+    return name
 
 
 def _child_pids() -> list[int]:
@@ -225,7 +247,7 @@ def main() -> None:
         )
     elif args.ckpt_every_epoch:
         callbacks.append(ModelCheckpoint(dirpath=str(out / "ckpts"), every_n_epochs=1, save_top_k=-1))
-    plugins: list[Any] = [args.plugin]
+    plugins: list[Any] = [_plugin(args.plugin)]
     if args.record_io:
         plugins.append(RecordingIO(str(out)))
     trainer = Trainer(

@@ -150,9 +150,9 @@ def saved_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     class Lazy(dict):
         def __missing__(self, plugin: str) -> Path:
             tmp = tmp_path_factory.mktemp(f"saved-{plugin}")
-            _run(
-                tmp, "--out", "out", "--plugin", plugin, "--devices", "2", "--ckpt-every-epoch", "--record-io"
-            )
+            # Sharded FSDP writes through DistributedCheckpointIO, which the recording IO would replace.
+            record = () if plugin == "fsdp_sharded" else ("--record-io",)
+            _run(tmp, "--out", "out", "--plugin", plugin, "--devices", "2", "--ckpt-every-epoch", *record)
             self[plugin] = tmp / "out"
             return self[plugin]
 
@@ -364,6 +364,9 @@ RESUME_MATRIX = [
     ("ddp_sharded", "single_device", 1),
     ("fsdp", "ddp", 1),
     ("ddp", "fsdp", 3),
+    ("fsdp_sharded", "fsdp_sharded", 3),
+    ("fsdp_sharded", "ddp", 1),
+    ("fsdp", "fsdp_sharded", 1),
 ]
 
 
@@ -481,3 +484,76 @@ def test_gradient_clipping_by_norm_uses_the_global_norm(tmp_path: Path, plugin: 
     assert any((unclipped[k] - expected[k]).abs().max() > 1e-3 for k in expected), (
         "the clip value must matter"
     )
+
+
+# ---------------------------------------------------------------------- 8. sharded checkpoints (FSDP)
+@pytest.mark.timeout(150)
+def test_sharded_checkpoint_is_a_folder_every_rank_writes(saved_runs: dict[str, Path]) -> None:
+    out = saved_runs["fsdp_sharded"]
+    folder = out / "ckpts" / "epoch=1-step=8.ckpt"
+    assert folder.is_dir()
+    names = sorted(p.name for p in folder.iterdir())
+    assert ".metadata" in names and "trainer_state.pt" in names
+    assert len([n for n in names if n.endswith(".distcp")]) == 2, names  # one shard file per rank
+    # Read whole, without a process group, it is the same checkpoint a full save writes.
+    ckpt = _load_ckpt(folder)
+    _assert_weights_close(ckpt[KEY_STATE_DICT], reference_weights(batch_size=16), atol=1e-6)
+    full = _load_ckpt(saved_runs["fsdp"] / "ckpts" / "epoch=1-step=8.ckpt")
+    _assert_named_state_equal(ckpt[KEY_OPTIMIZER_STATES][0], full[KEY_OPTIMIZER_STATES][0], "sharded vs full")
+    assert len(ckpt["rng_states_per_rank"]) == 2
+
+
+@pytest.mark.timeout(200)
+def test_hybrid_sharding_writes_one_replica_and_resumes_as_plain_fsdp(
+    saved_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    _run(tmp_path, "--out", "hsdp", "--plugin", "hsdp", "--devices", "4", "--ckpt-every-epoch", timeout=180)
+    folder = tmp_path / "hsdp" / "ckpts" / "epoch=0-step=2.ckpt"
+    ckpt = _load_ckpt(folder)
+    _assert_weights_close(ckpt[KEY_STATE_DICT], reference_weights(batch_size=32, epochs=1), atol=1e-6)
+    # The two replicas hold the same shards: 4 ranks (2 x 2) store as much as plain FSDP at 2 ranks,
+    # not twice as much.
+    hsdp_bytes = sum(p.stat().st_size for p in folder.glob("*.distcp"))
+    fsdp_folder = saved_runs["fsdp_sharded"] / "ckpts" / "epoch=0-step=4.ckpt"
+    fsdp_bytes = sum(p.stat().st_size for p in fsdp_folder.glob("*.distcp"))
+    assert hsdp_bytes <= 1.1 * fsdp_bytes, (hsdp_bytes, fsdp_bytes)
+    _run(
+        tmp_path,
+        "--out",
+        "fsdp2",
+        "--plugin",
+        "fsdp",
+        "--devices",
+        "2",
+        "--resume",
+        str(folder),
+        "--dump-restored",
+    )
+    restored = torch.load(tmp_path / "fsdp2" / "restored.pt", weights_only=True)
+    for name, saved in ckpt[KEY_STATE_DICT].items():
+        assert torch.equal(restored["weights"][name], saved), name
+    _assert_named_state_equal(restored["optimizer_states"][0], ckpt[KEY_OPTIMIZER_STATES][0], "hsdp -> fsdp")
+
+
+@pytest.mark.timeout(150)
+def test_incomplete_sharded_folders_are_refused_and_skipped(
+    saved_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    import shutil
+
+    from trainer_core.errors import CheckpointError
+
+    source = saved_runs["fsdp_sharded"] / "ckpts"
+    ckpts = tmp_path / "ckpts"
+    shutil.copytree(source, ckpts)
+    newest = ckpts / "epoch=1-step=8.ckpt"
+    (newest / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"epoch=1-step=8\.ckpt.*incomplete"):
+        _load_ckpt(newest)
+    # "last" skips the incomplete folder and resumes the older complete one.
+    assert TorchCheckpointIO().latest_complete(str(ckpts)).endswith("epoch=0-step=4.ckpt")
+    older = ckpts / "epoch=0-step=4.ckpt"
+    shard = sorted(older.glob("*.distcp"))[-1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"epoch=0-step=4\.ckpt"):
+        _load_ckpt(older)

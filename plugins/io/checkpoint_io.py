@@ -99,6 +99,11 @@ class CheckpointIO(ABC):
     def _is_complete(self, fs: fsspec.AbstractFileSystem, fs_path: str) -> bool:
         if is_temporary_name(_basename(fs_path)) or fs_path.endswith(COMMIT_MARKER_SUFFIX):
             return False
+        if fs.isdir(fs_path):
+            # A folder is a sharded checkpoint: complete once DCP's metadata (written last) is there.
+            from trainer_core.plugins.io.distributed_io import METADATA_FILE, TRAINER_STATE_FILE
+
+            return fs.exists(f"{fs_path}/{METADATA_FILE}") and fs.exists(f"{fs_path}/{TRAINER_STATE_FILE}")
         if is_local(fs):
             return fs.exists(fs_path)
         marker = read_commit_marker(fs, fs_path)
@@ -124,6 +129,11 @@ class CheckpointIO(ABC):
                 continue
             found.append((self._saved_at(fs, info), name))
         return [join(dir_url, name) for _, name in sorted(found)]
+
+    def saved_at(self, path: PathLike) -> float:
+        """When the checkpoint at ``path`` was published (POSIX time), to pick the newest of several folders."""
+        fs, fs_path = self._resolve(path)
+        return self._saved_at(fs, fs.info(fs_path))
 
     def latest_complete(self, dir_url: PathLike, suffix: Optional[str] = ".ckpt") -> Optional[str]:
         """The newest complete checkpoint in ``dir_url`` (what ``ckpt_path="last"`` resumes), or ``None``."""

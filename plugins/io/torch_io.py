@@ -243,9 +243,14 @@ class TorchCheckpointIO(CheckpointIO):
                 'ckpt_path="last" picks the newest complete checkpoint of the run instead.'
             )
         if fs.isdir(fs_path):
+            from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO, is_sharded_checkpoint
+
+            if is_sharded_checkpoint(path):
+                # A sharded checkpoint read whole: any plugin, at any world size, can resume from it.
+                return DistributedCheckpointIO(self.storage_options).load_checkpoint(path, map_location)
             raise CheckpointError(
-                f"{display} is a folder, not a checkpoint file. A sharded checkpoint is loaded with "
-                "DistributedCheckpointIO; otherwise pass the path of a .ckpt file inside it."
+                f"{display} is a folder, not a checkpoint file or a sharded checkpoint; pass the path of a .ckpt "
+                "file inside it."
             )
         checkpoint = self._torch_load(fs, fs_path, display, map_location)
         validate_checkpoint(checkpoint, display)
