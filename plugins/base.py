@@ -275,6 +275,13 @@ class TrainingTypePlugin:
         """
         consolidate = getattr(optimizer, "consolidate_state_dict", None)
         if callable(consolidate):
+            if self.world_size > 1:
+                from trainer_core.plugins.consolidate import gather_sharded_state
+
+                # OSS and ZeRO: gathered tensor by tensor, at most one copy of the state on rank 0.
+                gathered = gather_sharded_state(optimizer, self.root_device)
+                if gathered is not None:
+                    return gathered
             consolidate(to=0) if _accepts_to(consolidate) else consolidate()
             return optimizer.state_dict() if self.is_global_zero else {}
         return optimizer.state_dict()
