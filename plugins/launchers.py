@@ -9,6 +9,7 @@ instead of leaving the others blocked in a collective until its timeout.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -118,6 +119,18 @@ class ScriptLauncher:
             self.children.append(subprocess.Popen(command, env=child_env, cwd=os.getcwd()))
         self._watcher = _ChildWatcher(self.children)
         self._watcher.start()
+        # Rank 0 outlives its children (as torchrun's agent does): it reaps them before exiting.
+        atexit.register(self._wait_for_children)
+
+    def _wait_for_children(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        for child in self.children:
+            try:
+                child.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        if any(child.poll() is None for child in self.children):
+            terminate(self.children)
 
     def stop_children(self) -> None:
         if self._watcher is not None:
