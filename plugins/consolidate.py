@@ -81,6 +81,8 @@ def gather_sharded_state(optimizer: Optimizer, device: torch.device) -> Optional
     groups, start = [], 0
     for group in optimizer.param_groups:
         count = len(group["params"])
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + count))})
+        groups.append(
+            {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + count))}
+        )
         start += count
     return {"state": state, "param_groups": groups}

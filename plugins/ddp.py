@@ -246,8 +246,22 @@ class DDPPlugin(TrainingTypePlugin):
 
 
 def _destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """At interpreter exit: wait for every rank to get here, then tear the groups down together.
+
+    A rank that closes its connections while a peer still uses them makes gloo abort that peer
+    ("terminate called without an active exception"), so the teardown waits (briefly) for all.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if dist.get_world_size() > 1:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=30))
+            else:
+                dist.barrier()
+    except Exception:
+        pass  # a rank is gone: nothing to wait for
+    dist.destroy_process_group()
 
 
 class UnrepeatedDistributedSampler(Sampler[int]):

@@ -8,6 +8,7 @@ on request, which ranks called ``CheckpointIO.save_checkpoint`` and the state ri
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -26,6 +27,43 @@ from trainer_core.plugins.io import TorchCheckpointIO
 LR = 0.01
 
 
+class Meter(nn.Module):
+    """Records running statistics in *extra state*, as TransformerEngine layers keep FP8 metadata.
+
+    ``payload="tensor"`` returns a tensor from ``get_extra_state``; ``payload="bytes"`` an
+    ``io.BytesIO`` holding a torch-saved dict, TransformerEngine's own choice.
+    """
+
+    def __init__(self, payload: str) -> None:
+        super().__init__()
+        self.payload = payload
+        self.amax = torch.zeros(4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.amax = torch.maximum(self.amax, x.detach().abs().amax(dim=0)[:4])
+        return x
+
+    def get_extra_state(self) -> Any:
+        if self.payload == "tensor":
+            return torch.cat([self.amax, torch.tensor([float(self.calls)])])
+        buffer = io.BytesIO()
+        torch.save({"amax": self.amax.clone(), "calls": self.calls}, buffer)
+        return buffer
+
+    def set_extra_state(self, state: Any) -> None:
+        if isinstance(state, torch.Tensor):
+            self.amax, self.calls = state[:4].clone(), int(state[4].item())
+            return
+        state.seek(0)
+        loaded = torch.load(state, weights_only=True)
+        self.amax, self.calls = loaded["amax"], loaded["calls"]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"amax": self.amax.tolist(), "calls": self.calls}
+
+
 class Net(LightningModule):
     def __init__(
         self,
@@ -33,8 +71,10 @@ class Net(LightningModule):
         dropout: float = 0.0,
         fail_on_rank: int = -1,
         log_rank_metric: bool = False,
+        extra_state: Optional[str] = None,
     ) -> None:
         super().__init__()
+        self.meter = Meter(extra_state) if extra_state else None
         self.optimizer_kind = optimizer
         self.fail_on_rank = fail_on_rank
         self.log_rank_metric = log_rank_metric
@@ -55,6 +95,8 @@ class Net(LightningModule):
         if self.global_rank == self.fail_on_rank and batch_idx == 2:
             raise RuntimeError(f"deliberate failure in training_step on rank {self.global_rank}")
         x, y = batch
+        if self.meter is not None:
+            x = self.meter(x)
         loss = nn.functional.mse_loss(self.net(x), y)
         if self.log_rank_metric:
             # Rank-dependent: rank 0 logs 10 + batch_idx, rank 1 logs 20 + batch_idx.
@@ -125,6 +167,7 @@ class Record(Callback):
             "ppid": os.getppid(),
             "children": _child_pids(),
             "global_step": trainer.global_step,
+            "meter_at_start": pl_module.meter.snapshot() if pl_module.meter is not None else None,
         }
         with open(os.path.join(self.out, f"pid.rank{trainer.global_rank}"), "w") as f:
             f.write(str(os.getpid()))
@@ -133,7 +176,9 @@ class Record(Callback):
             states = [_full(plugin.named_optimizer_state(opt)) for opt in plugin.optimizers]
             full_weights = _full(plugin.lightning_module_state_dict())
             if trainer.is_global_zero:
-                weights = {k: v.detach().clone() for k, v in full_weights.items()}
+                weights = {
+                    k: v.detach().clone() for k, v in full_weights.items() if isinstance(v, torch.Tensor)
+                }
                 torch.save(
                     {"weights": weights, "optimizer_states": states, "global_step": trainer.global_step},
                     os.path.join(self.out, "restored.pt"),
@@ -154,7 +199,7 @@ class Record(Callback):
             # FSDP: every rank takes part in gathering the full parameters, then keeps a copy.
             weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in weights.items()}
         torch.save(
-            {k: v.detach().clone() for k, v in weights.items()},
+            {k: v.detach().clone() for k, v in weights.items() if isinstance(v, torch.Tensor)},
             os.path.join(self.out, f"rank{rank}.pt"),
         )
         with open(os.path.join(self.out, f"rank{rank}.json"), "w") as f:
@@ -225,6 +270,7 @@ def main() -> None:
     parser.add_argument("--logger", action="store_true")
     parser.add_argument("--progress-bar", action="store_true")
     parser.add_argument("--stderr-per-rank", action="store_true")
+    parser.add_argument("--extra-state", choices=["tensor", "bytes"], default=None)
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -236,7 +282,7 @@ def main() -> None:
         print(f"stderr of local rank {local}", file=sys.stderr, flush=True)
 
     seed_everything(0, verbose=False)
-    model = Net(args.optimizer, args.dropout, args.fail_on_rank, args.log_rank_metric)
+    model = Net(args.optimizer, args.dropout, args.fail_on_rank, args.log_rank_metric, args.extra_state)
     record = Record(str(out), args.dump_restored)
     callbacks: list[Callback] = [record]
     if args.ckpt_every_steps:
@@ -269,7 +315,10 @@ def main() -> None:
     trainer.fit(model, loader, ckpt_path=args.resume)
     if trainer.is_global_zero:
         # The process the user started: under ddp_spawn it holds rank 0's results once fit returns.
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / "caller.pt")
+        torch.save(
+            {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)},
+            out / "caller.pt",
+        )
         with open(out / "caller.json", "w") as f:
             json.dump({"callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, f)
 

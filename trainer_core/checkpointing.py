@@ -210,7 +210,7 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: Union[str, os.PathLike]) -> O
         return None
     if len(candidates) == 1:
         return candidates[0]
-    return max(candidates, key=lambda p: io.saved_at(p) if hasattr(io, "saved_at") else 0.0)
+    return max(candidates, key=io.saved_at)
 
 
 def restore_checkpoint(

@@ -30,7 +30,12 @@ import torch
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 from fsspec.spec import AbstractBufferedFile
 
-from trainer_core.checkpoint.format import safe_globals, validate_checkpoint
+from trainer_core.checkpoint.format import (
+    decode_byte_payloads,
+    encode_byte_payloads,
+    safe_globals,
+    validate_checkpoint,
+)
 from trainer_core.errors import CheckpointError
 from trainer_core.paths import PathLike, is_local, resolve
 from trainer_core.plugins.io.checkpoint_io import (
@@ -165,6 +170,7 @@ class TorchCheckpointIO(CheckpointIO):
     ) -> None:
         """Write ``checkpoint`` atomically; on failure the previous file at ``path`` is left as it was."""
         fs, fs_path = self._resolve(path, storage_options)
+        checkpoint = encode_byte_payloads(checkpoint)
         try:
             if is_local(fs):
                 self._save_local(checkpoint, fs, fs_path)
@@ -252,7 +258,7 @@ class TorchCheckpointIO(CheckpointIO):
                 f"{display} is a folder, not a checkpoint file or a sharded checkpoint; pass the path of a .ckpt "
                 "file inside it."
             )
-        checkpoint = self._torch_load(fs, fs_path, display, map_location)
+        checkpoint = decode_byte_payloads(self._torch_load(fs, fs_path, display, map_location))
         validate_checkpoint(checkpoint, display)
         return checkpoint
 

@@ -182,3 +182,63 @@ def check_state_dict_matches(
         if strict and not mismatched:
             hint += "; pass strict=False to load only the names both have"
         raise CheckpointError(f"{path} does not match the model:\n  " + "\n  ".join(problems) + f"\n{hint}.")
+
+
+# ---------------------------------------------------------------------- byte payloads
+#: Marks an ``io.BytesIO`` stored as bytes: modules' extra state (TransformerEngine keeps its FP8
+#: metadata as one) must load with ``weights_only=True``, which refuses a pickled ``BytesIO``.
+BYTES_IO_TAG = "__trainer_core_bytes_io__"
+
+
+def encode_byte_payloads(obj: Any) -> Any:
+    """``obj`` with every ``io.BytesIO`` replaced by ``{BYTES_IO_TAG: uint8 tensor}``.
+
+    Containers are copied only along the paths that hold one, so a checkpoint without byte
+    payloads comes back as the very same object (no copy of its tensors, ever).
+    """
+    import io
+
+    if isinstance(obj, io.BytesIO):
+        data = obj.getvalue()
+        return {
+            BYTES_IO_TAG: torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if data
+            else torch.empty(0, dtype=torch.uint8)
+        }
+    if isinstance(obj, dict):
+        encoded = {key: encode_byte_payloads(value) for key, value in obj.items()}
+        if all(encoded[key] is obj[key] for key in obj):
+            return obj
+        out = type(obj)() if type(obj) is not dict and _constructible(type(obj)) else {}
+        out.update(encoded)
+        if hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(obj, list):
+        items = [encode_byte_payloads(value) for value in obj]
+        return obj if all(a is b for a, b in zip(items, obj)) else items
+    return obj
+
+
+def decode_byte_payloads(obj: Any) -> Any:
+    """The inverse of :func:`encode_byte_payloads` (in place for dicts and lists)."""
+    import io
+
+    if isinstance(obj, dict):
+        if len(obj) == 1 and BYTES_IO_TAG in obj:
+            return io.BytesIO(obj[BYTES_IO_TAG].numpy().tobytes())
+        for key, value in obj.items():
+            obj[key] = decode_byte_payloads(value)
+        return obj
+    if isinstance(obj, list):
+        for index, value in enumerate(obj):
+            obj[index] = decode_byte_payloads(value)
+    return obj
+
+
+def _constructible(kind: type) -> bool:
+    try:
+        kind()
+    except Exception:
+        return False
+    return True
