@@ -399,7 +399,7 @@ def test_resume_under_another_plugin_and_world_size(
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("plugin", ["ddp", "fsdp"])
+@pytest.mark.parametrize("plugin", ["ddp", "zero", "ddp_sharded", "fsdp", "fsdp_sharded"])
 def test_resume_at_the_same_world_size_is_exact(tmp_path: Path, plugin: str) -> None:
     common = ("--plugin", plugin, "--devices", "2", "--dropout", "0.3", "--shuffle")
     _run(tmp_path, "--out", "full", *common, "--ckpt-every-steps", "3")
@@ -622,3 +622,39 @@ def test_module_extra_state_survives_checkpoints(
     )
     for rank in range(ranks):
         assert _rank_result(tmp_path / "loaded", rank)["meter_at_start"] == saved, f"rank {rank}"
+
+
+@pytest.mark.timeout(150)
+def test_a_single_device_checkpoint_resumes_sharded_under_fsdp(tmp_path: Path) -> None:
+    _run(
+        tmp_path,
+        "--out",
+        "single",
+        "--plugin",
+        "single_device",
+        "--devices",
+        "1",
+        "--batch-size",
+        "16",
+        "--ckpt-every-epoch",
+    )
+    ckpt_path = tmp_path / "single" / "ckpts" / "epoch=0-step=4.ckpt"
+    ckpt = _load_ckpt(ckpt_path)
+    _run(
+        tmp_path,
+        "--out",
+        "fsdp",
+        "--plugin",
+        "fsdp_sharded",
+        "--devices",
+        "2",
+        "--resume",
+        str(ckpt_path),
+        "--dump-restored",
+    )
+    restored = torch.load(tmp_path / "fsdp" / "restored.pt", weights_only=True)
+    for name, saved in ckpt[KEY_STATE_DICT].items():
+        assert torch.equal(restored["weights"][name], saved), name
+    _assert_named_state_equal(
+        restored["optimizer_states"][0], ckpt[KEY_OPTIMIZER_STATES][0], "single -> fsdp"
+    )

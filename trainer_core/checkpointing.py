@@ -27,6 +27,7 @@ from trainer_core.checkpoint import (
     KEY_LOOPS,
     KEY_LR_SCHEDULERS,
     KEY_OPTIMIZER_STATES,
+    KEY_PLUGIN,
     KEY_PRECISION,
     KEY_RNG,
     KEY_STATE_DICT,
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
 
 KEY_DATAMODULE = "datamodule"
 KEY_RNG_PER_RANK = "rng_states_per_rank"
-KEY_PLUGIN = "plugin"
 
 
 # ---------------------------------------------------------------------- RNG

@@ -34,9 +34,9 @@ TRAINER_STATE_FILE = "trainer_state.pt"
 _SHARDED_KEYS = (KEY_STATE_DICT, KEY_OPTIMIZER_STATES)
 
 
-def is_sharded_checkpoint(path: PathLike) -> bool:
+def is_sharded_checkpoint(path: PathLike, storage_options: Optional[dict[str, Any]] = None) -> bool:
     """Whether ``path`` is a folder written by this IO (complete or not)."""
-    fs, fs_path = paths.resolve(path)
+    fs, fs_path = paths.resolve(path, **(storage_options or {}))
     return fs.isdir(fs_path) and fs.exists(f"{fs_path}/{TRAINER_STATE_FILE}")
 
 
@@ -78,7 +78,7 @@ class DistributedCheckpointIO(CheckpointIO):
                 with fs.open(f"{target}/{TRAINER_STATE_FILE}", "wb") as f:
                     torch.save(rest, f)
             _barrier()
-            writer = dcp.FileSystemWriter(target) if local else _fsspec_writer(url)
+            writer = dcp.FileSystemWriter(target) if local else _fsspec_writer(url, self._storage_options)
             dcp.save(sharded, storage_writer=writer)
             _barrier()
             if rank == 0 and local:
@@ -138,7 +138,11 @@ class DistributedCheckpointIO(CheckpointIO):
         checkpoint = self.load_trainer_state(path)
         url = os.fspath(path)
         fs, fs_path = self._resolve(url)
-        reader = dcp.FileSystemReader(fs_path) if paths.is_local(fs) else _fsspec_reader(url)
+        reader = (
+            dcp.FileSystemReader(fs_path)
+            if paths.is_local(fs)
+            else _fsspec_reader(url, self._storage_options)
+        )
         try:
             dcp.load(template, storage_reader=reader)
         except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
@@ -164,7 +168,11 @@ class DistributedCheckpointIO(CheckpointIO):
         checkpoint = self.load_trainer_state(path)
         url = os.fspath(path)
         fs, fs_path = self._resolve(url)
-        reader = dcp.FileSystemReader(fs_path) if paths.is_local(fs) else _fsspec_reader(url)
+        reader = (
+            dcp.FileSystemReader(fs_path)
+            if paths.is_local(fs)
+            else _fsspec_reader(url, self._storage_options)
+        )
         tensors: dict[str, Any] = {}
         try:
             _load_state_dict(
@@ -225,13 +233,13 @@ def _swap_in(new: str, final: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _fsspec_writer(url: str) -> Any:
+def _fsspec_writer(url: str, storage_options: dict[str, Any]) -> Any:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    return FsspecWriter(url)
+    return FsspecWriter(url, **storage_options)
 
 
-def _fsspec_reader(url: str) -> Any:
+def _fsspec_reader(url: str, storage_options: dict[str, Any]) -> Any:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    return FsspecReader(url)
+    return FsspecReader(url, **storage_options)

@@ -251,7 +251,7 @@ class TorchCheckpointIO(CheckpointIO):
         if fs.isdir(fs_path):
             from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO, is_sharded_checkpoint
 
-            if is_sharded_checkpoint(path):
+            if is_sharded_checkpoint(path, self.storage_options):
                 # A sharded checkpoint read whole: any plugin, at any world size, can resume from it.
                 return DistributedCheckpointIO(self.storage_options).load_checkpoint(path, map_location)
             raise CheckpointError(
@@ -282,7 +282,8 @@ class TorchCheckpointIO(CheckpointIO):
                     "delete the file."
                 ) from None
             raise CheckpointError(_corrupt_message(display, err)) from None
-        except (RuntimeError, EOFError, ValueError, OSError) as err:
+        except Exception as err:
+            # torch raises many kinds on garbage (IndexError, KeyError, ...): each is a corrupt file here.
             raise CheckpointError(_corrupt_message(display, err)) from err
 
     # ---------------------------------------------------------------- remove

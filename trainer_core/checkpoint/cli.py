@@ -29,6 +29,7 @@ from trainer_core.checkpoint.format import (
     KEY_GLOBAL_STEP,
     KEY_LR_SCHEDULERS,
     KEY_OPTIMIZER_STATES,
+    KEY_PLUGIN,
     KEY_STATE_DICT,
     KEY_VERSION,
     RESUME_KEYS,
@@ -39,8 +40,6 @@ from trainer_core.paths import PathLike, resolve
 PROG = "python -m trainer_core.checkpoint"
 #: Exit status for every input the user must fix (argparse uses the same for bad arguments).
 EXIT_BAD_INPUT = 2
-# Written by trainer_core/checkpointing.py's dump_checkpoint; checkpoints from before it lack the key.
-_KEY_PLUGIN = "plugin"
 _SHARD_SUFFIX = ".distcp"
 
 
@@ -103,7 +102,7 @@ def _load(path: PathLike, storage_options: dict[str, Any]) -> tuple[dict[str, An
 
 def summarize(checkpoint: Mapping[str, Any], path: str, shard_files: Optional[int] = None) -> dict[str, Any]:
     """What ``inspect`` reports about ``checkpoint``, as plain JSON-able values."""
-    plugin = checkpoint.get(_KEY_PLUGIN)
+    plugin = checkpoint.get(KEY_PLUGIN)
     plugin = dict(plugin) if isinstance(plugin, Mapping) else {"name": None, "world_size": None}
     optimizer_states = checkpoint.get(KEY_OPTIMIZER_STATES) or []
     model_tensors, model_bytes = _tensor_stats(checkpoint.get(KEY_STATE_DICT, {}))

@@ -35,6 +35,7 @@ KEY_CALLBACKS = "callbacks"
 KEY_RNG = "rng_states"
 KEY_HPARAMS = "hyper_parameters"
 KEY_PRECISION = "precision"
+KEY_PLUGIN = "plugin"  # {"name": ..., "world_size": ...} of the run that wrote it
 
 #: Keys every checkpoint has, including one saved with ``weights_only=True``.
 REQUIRED_KEYS = (KEY_FORMAT_VERSION, KEY_EPOCH, KEY_GLOBAL_STEP, KEY_STATE_DICT)
