@@ -12,7 +12,9 @@ from pathlib import Path
 from setuptools import setup
 
 _ROOT = Path(__file__).parent
-_VERSION = re.search(r'__version__ = "([^"]+)"', (_ROOT / "trainer_core" / "__about__.py").read_text()).group(1)
+_VERSION = re.search(r'__version__ = "([^"]+)"', (_ROOT / "trainer_core" / "__about__.py").read_text()).group(
+    1
+)
 
 # torch is deliberately a floor, not a pin: installers pin it first (the Makefile installs
 # torch==2.13.0 before the project) so that this range never pulls a different build.
