@@ -12,7 +12,12 @@ from trainer_core.plugins.environments import (
     SLURMEnvironment,
     TorchElasticEnvironment,
 )
-from trainer_core.plugins.io import AsyncCheckpointIO, CheckpointIO, TorchCheckpointIO
+from trainer_core.plugins.io import (
+    AsyncCheckpointIO,
+    CheckpointIO,
+    DistributedCheckpointIO,
+    TorchCheckpointIO,
+)
 from trainer_core.plugins.registry import available_plugins, plugin_from_name, register_plugin
 from trainer_core.plugins.single_device import SingleDevicePlugin
 
@@ -22,6 +27,7 @@ __all__ = [
     "ClusterEnvironment",
     "DDPPlugin",
     "DDPShardedPlugin",
+    "DistributedCheckpointIO",
     "FSDPPlugin",
     "LocalEnvironment",
     "SLURMEnvironment",
@@ -35,12 +41,8 @@ __all__ = [
     "register_plugin",
 ]
 
-# Plugins that later work adds (DDP, sharded, ZeRO, FSDP, pipeline, distributed and async IO)
-# are named in DESIGN.md's public API; importing one that is not there yet says so clearly.
-_PLANNED = {
-    "PipelinePlugin",
-    "DistributedCheckpointIO",
-}
+# Named in DESIGN.md's public API and built by later work; importing it says so clearly.
+_PLANNED = {"PipelinePlugin"}
 
 
 def __getattr__(name: str) -> Any:

@@ -112,7 +112,10 @@ class FSDPPlugin(DDPPlugin):
             "mesh": self.device_mesh,
             "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": self.mixed_precision or MixedPrecisionPolicy(),
-            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+            # Pinned host memory needs an accelerator; on a CPU-only machine offload keeps plain memory.
+            "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+            if self.cpu_offload
+            else OffloadPolicy(),
         }
 
     def _shard(self, module: nn.Module) -> None:

@@ -87,6 +87,13 @@ class Net(LightningModule):
         # A fingerprint of this rank's gradient after each backward: shows whether DDP synchronised it.
         self.grad_sums: list[Optional[float]] = []
 
+    def configure_model(self) -> None:
+        if os.environ.get("DIST_JOB_SHARD_IN_CONFIGURE_MODEL"):
+            # The module shards itself (Lightning's configure_model idiom); the plugin then only wraps the root.
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.net[0], mesh=self.trainer.strategy.device_mesh)
+
     def on_after_backward(self) -> None:
         grad = self.net[0].weight.grad
         self.grad_sums.append(None if grad is None else grad.sum().item())
@@ -168,6 +175,11 @@ class Record(Callback):
             "children": _child_pids(),
             "global_step": trainer.global_step,
             "meter_at_start": pl_module.meter.snapshot() if pl_module.meter is not None else None,
+            "fsdp_units": sorted(
+                name or "<root>"
+                for name, m in pl_module.named_modules()
+                if type(m).__name__.startswith("FSDP")
+            ),
         }
         with open(os.path.join(self.out, f"pid.rank{trainer.global_rank}"), "w") as f:
             f.write(str(os.getpid()))
@@ -225,6 +237,16 @@ def _plugin(name: str) -> Any:
         return FSDPPlugin(state_dict_type="sharded")
     if name == "hsdp":
         return FSDPPlugin(state_dict_type="sharded", hybrid_shard=(2, 2))
+    if name == "fsdp_bf16":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return FSDPPlugin(
+            mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        )
+    if name == "fsdp_offload":
+        return FSDPPlugin(cpu_offload=True, reshard_after_forward=False)
+    if name == "fsdp_wrap":
+        return FSDPPlugin(auto_wrap_policy={nn.Linear})
     return name
 
 
@@ -271,6 +293,7 @@ def main() -> None:
     parser.add_argument("--progress-bar", action="store_true")
     parser.add_argument("--stderr-per-rank", action="store_true")
     parser.add_argument("--extra-state", choices=["tensor", "bytes"], default=None)
+    parser.add_argument("--ckpt-dir", default=None, help="checkpoint folder URL (default OUT/ckpts)")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -288,11 +311,15 @@ def main() -> None:
     if args.ckpt_every_steps:
         callbacks.append(
             ModelCheckpoint(
-                dirpath=str(out / "ckpts"), every_n_train_steps=args.ckpt_every_steps, save_top_k=-1
+                dirpath=args.ckpt_dir or str(out / "ckpts"),
+                every_n_train_steps=args.ckpt_every_steps,
+                save_top_k=-1,
             )
         )
     elif args.ckpt_every_epoch:
-        callbacks.append(ModelCheckpoint(dirpath=str(out / "ckpts"), every_n_epochs=1, save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(dirpath=args.ckpt_dir or str(out / "ckpts"), every_n_epochs=1, save_top_k=-1)
+        )
     plugins: list[Any] = [_plugin(args.plugin)]
     if args.record_io:
         plugins.append(RecordingIO(str(out)))

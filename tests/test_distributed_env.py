@@ -151,3 +151,14 @@ def test_trainer_takes_ranks_from_torchrun_and_slurm(clean_env: pytest.MonkeyPat
     trainer = Trainer(devices=2, num_nodes=2, logger=False, enable_progress_bar=False)
     assert isinstance(trainer.strategy.cluster_environment, SLURMEnvironment)
     assert (trainer.global_rank, trainer.world_size, trainer.local_rank, trainer.node_rank) == (3, 4, 1, 1)
+
+
+def test_fsdp_plugin_rejects_bad_settings() -> None:
+    from trainer_core.plugins import FSDPPlugin
+
+    with pytest.raises(MisconfigurationException, match="state_dict_type='nope'"):
+        FSDPPlugin(state_dict_type="nope")
+    plugin = FSDPPlugin(hybrid_shard=(2, 3))
+    plugin.configure_devices("cpu", 2, 1)
+    with pytest.raises(MisconfigurationException, match=r"hybrid_shard=\(2, 3\) needs 6 processes"):
+        plugin.device_mesh  # noqa: B018

@@ -143,6 +143,12 @@ class CheckpointIO(ABC):
     @staticmethod
     def _saved_at(fs: fsspec.AbstractFileSystem, info: dict[str, Any]) -> float:
         """When the checkpoint described by ``info`` was published, as a POSIX timestamp."""
+        if info.get("type") == "directory" and not is_local(fs):
+            # An object store's "folder" has no time of its own: a sharded checkpoint was published
+            # when its metadata, written last, was.
+            from trainer_core.plugins.io.distributed_io import METADATA_FILE
+
+            info = fs.info(f"{info['name']}/{METADATA_FILE}")
         if not is_local(fs):
             marker = read_commit_marker(fs, info["name"])
             if marker is not None and isinstance(marker.get("saved_at"), (int, float)):
