@@ -160,5 +160,5 @@ def test_fsdp_plugin_rejects_bad_settings() -> None:
         FSDPPlugin(state_dict_type="nope")
     plugin = FSDPPlugin(hybrid_shard=(2, 3))
     plugin.configure_devices("cpu", 2, 1)
-    with pytest.raises(MisconfigurationException, match=r"hybrid_shard=\(2, 3\) needs 6 processes"):
+    with pytest.raises(MisconfigurationException, match=r"hybrid_shard=\(2, 3\)\) needs 6 processes"):
         plugin.device_mesh  # noqa: B018
