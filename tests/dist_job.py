@@ -218,6 +218,25 @@ class Record(Callback):
             json.dump(result, f)
 
 
+def _resume_many(args: argparse.Namespace, out: Path) -> None:
+    """One process group, several restores: what each loading plugin sees right after each restore."""
+    for index, path in enumerate(args.resume_many.split(",")):
+        folder = out / f"many{index}"
+        folder.mkdir(parents=True, exist_ok=True)
+        seed_everything(0, verbose=False)
+        trainer = Trainer(
+            plugins=[_plugin(args.plugin)],
+            devices=args.devices,
+            max_steps=5,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[Record(str(folder), True)],
+        )
+        trainer.fit(Net(), DataLoader(data(), batch_size=args.batch_size), ckpt_path=path)
+
+
 def _full(obj: Any) -> Any:
     """DTensor shards (sharded FSDP state) gathered to whole tensors; every rank must call this."""
     if hasattr(obj, "full_tensor"):
@@ -294,6 +313,11 @@ def main() -> None:
     parser.add_argument("--stderr-per-rank", action="store_true")
     parser.add_argument("--extra-state", choices=["tensor", "bytes"], default=None)
     parser.add_argument("--ckpt-dir", default=None, help="checkpoint folder URL (default OUT/ckpts)")
+    parser.add_argument(
+        "--resume-many",
+        default=None,
+        help="comma-separated checkpoints: restore each in turn, record, train 1 step",
+    )
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -304,6 +328,9 @@ def main() -> None:
         os.dup2(fd, 2)
         print(f"stderr of local rank {local}", file=sys.stderr, flush=True)
 
+    if args.resume_many:
+        _resume_many(args, out)
+        return
     seed_everything(0, verbose=False)
     model = Net(args.optimizer, args.dropout, args.fail_on_rank, args.log_rank_metric, args.extra_state)
     record = Record(str(out), args.dump_restored)

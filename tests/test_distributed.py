@@ -734,3 +734,60 @@ def test_sharded_checkpoint_on_s3(tmp_path: Path, s3_url: str) -> None:
     saved = io.load_checkpoint(first)
     for name, value in saved[KEY_STATE_DICT].items():
         assert torch.equal(restored["weights"][name], value), name
+
+
+# ---------------------------------------------------------------------- 11. the whole resume matrix
+SAVERS = ["single_device", "ddp", "ddp_sharded", "zero", "fsdp", "fsdp_sharded"]
+
+
+@pytest.fixture(scope="module")
+def one_checkpoint_per_plugin(saved_runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The epoch-0 checkpoint each plugin wrote (at 2 ranks; the single device at 1, with the same batch)."""
+    single = tmp_path_factory.mktemp("saved-single")
+    _run(
+        single,
+        "--out",
+        "out",
+        "--plugin",
+        "single_device",
+        "--devices",
+        "1",
+        "--batch-size",
+        "16",
+        "--ckpt-every-epoch",
+    )
+    paths = {"single_device": single / "out" / "ckpts" / "epoch=0-step=4.ckpt"}
+    for plugin in SAVERS[1:]:
+        paths[plugin] = saved_runs[plugin] / "ckpts" / "epoch=0-step=4.ckpt"
+    return paths
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("loaded_by", "ranks"), [(p, 1 if p == "single_device" else 3) for p in SAVERS])
+def test_every_checkpoint_resumes_under_every_plugin(
+    one_checkpoint_per_plugin: dict, tmp_path: Path, loaded_by: str, ranks: int
+) -> None:
+    """DESIGN.md's promise: a checkpoint written by any plugin resumes under any other, at another world
+    size, with model and optimizer tensors equal by name right after the restore."""
+    savers = list(one_checkpoint_per_plugin)
+    paths = ",".join(str(one_checkpoint_per_plugin[s]) for s in savers)
+    _run(
+        tmp_path,
+        "--out",
+        "out",
+        "--plugin",
+        loaded_by,
+        "--devices",
+        str(ranks),
+        "--resume-many",
+        paths,
+        timeout=280,
+    )
+    for index, saved_by in enumerate(savers):
+        ckpt = _load_ckpt(one_checkpoint_per_plugin[saved_by])
+        restored = torch.load(tmp_path / "out" / f"many{index}" / "restored.pt", weights_only=True)
+        where = f"{saved_by} -> {loaded_by} at {ranks} rank(s)"
+        assert restored["global_step"] == 4, where
+        for name, saved in ckpt[KEY_STATE_DICT].items():
+            assert torch.equal(restored["weights"][name], saved), f"{where}: weight {name}"
+        _assert_named_state_equal(restored["optimizer_states"][0], ckpt[KEY_OPTIMIZER_STATES][0], where)
