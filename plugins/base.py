@@ -163,6 +163,9 @@ class TrainingTypePlugin:
         """The optimizer the run steps; sharded plugins wrap it here (OSS, ZeRO)."""
         return optimizer
 
+    def on_exception(self, exception: BaseException) -> None:
+        """The run failed with ``exception`` (called before ``teardown``)."""
+
     def teardown(self) -> None:
         """Release what ``setup`` created; the module is left on its device, unwrapped."""
         self._model = None

@@ -173,6 +173,10 @@ class DDPPlugin(TrainingTypePlugin):
             return model.no_sync()
         return contextlib.nullcontext()
 
+    def on_exception(self, exception: BaseException) -> None:
+        global _RUN_FAILED
+        _RUN_FAILED = True
+
     def teardown(self) -> None:
         super().teardown()
         if self._launcher is not None and not self._launcher.children:
@@ -245,18 +249,25 @@ class DDPPlugin(TrainingTypePlugin):
         return bool(flag.item() == self.world_size) if all else bool(flag.item() > 0)
 
 
+# Set when this process's run failed: its peers may be gone or blocked, so exit must not wait for them.
+_RUN_FAILED = False
+
+
 def _destroy_process_group() -> None:
     """At interpreter exit: wait for every rank to get here, then tear the groups down together.
 
     A rank that closes its connections while a peer still uses them makes gloo abort that peer
-    ("terminate called without an active exception"), so the teardown waits (briefly) for all.
+    ("terminate called without an active exception"), so the teardown waits (10 s at most) for
+    all; a process whose run failed does not wait.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
+    if _RUN_FAILED:
+        return  # the launcher or the peers' own errors end the others; waiting here would only delay that
     try:
         if dist.get_world_size() > 1:
             if dist.get_backend() == "gloo":
-                dist.monitored_barrier(timeout=timedelta(seconds=30))
+                dist.monitored_barrier(timeout=timedelta(seconds=10))
             else:
                 dist.barrier()
     except Exception:

@@ -356,17 +356,10 @@ def test_checkpoint_files_are_written_by_rank_zero_only(saved_runs: dict[str, Pa
 
 # ---------------------------------------------------------------------- 5. resume across plugins and world sizes
 RESUME_MATRIX = [
-    # (saved by at 2 ranks, loaded by, ranks)
-    ("ddp", "zero", 3),
-    ("zero", "ddp_sharded", 1),
+    # (saved by at 2 ranks, loaded by, ranks): what the whole matrix below does not cover, a spawned
+    # loader and a sharded folder loaded by one process.
     ("ddp_sharded", "ddp_spawn", 3),
-    ("ddp_spawn", "ddp", 1),
-    ("ddp_sharded", "single_device", 1),
-    ("fsdp", "ddp", 1),
-    ("ddp", "fsdp", 3),
-    ("fsdp_sharded", "fsdp_sharded", 3),
-    ("fsdp_sharded", "ddp", 1),
-    ("fsdp", "fsdp_sharded", 1),
+    ("fsdp_sharded", "fsdp_sharded", 1),
 ]
 
 
@@ -399,7 +392,7 @@ def test_resume_under_another_plugin_and_world_size(
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("plugin", ["ddp", "zero", "ddp_sharded", "fsdp", "fsdp_sharded"])
+@pytest.mark.parametrize("plugin", ["ddp", "ddp_sharded", "fsdp_sharded"])
 def test_resume_at_the_same_world_size_is_exact(tmp_path: Path, plugin: str) -> None:
     common = ("--plugin", plugin, "--devices", "2", "--dropout", "0.3", "--shuffle")
     _run(tmp_path, "--out", "full", *common, "--ckpt-every-steps", "3")
@@ -576,10 +569,9 @@ def _meter_in(ckpt: dict[str, Any]) -> dict[str, Any]:
 EXTRA_STATE_CASES = [
     # (saved by at 2 ranks, loaded by, ranks, payload)
     ("fsdp", "fsdp", 3, "bytes"),
-    ("fsdp_sharded", "fsdp_sharded", 1, "tensor"),
-    ("fsdp_sharded", "fsdp_sharded", 3, "bytes"),
-    ("ddp", "single_device", 1, "bytes"),
-    ("fsdp_sharded", "ddp", 2, "tensor"),
+    ("fsdp_sharded", "fsdp_sharded", 3, "tensor"),
+    ("fsdp_sharded", "fsdp_sharded", 1, "bytes"),
+    ("ddp", "single_device", 1, "tensor"),
 ]
 
 

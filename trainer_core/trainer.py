@@ -34,7 +34,7 @@ from trainer_core.module import LightningModule
 from trainer_core.optim import LightningOptimizer, LRSchedulerConfig
 from trainer_core.precision import Precision
 from trainer_core.results import ResultCollection
-from trainer_core.utilities import rank_zero_only, to_float
+from trainer_core.utilities import rank_zero_only, rank_zero_warn, to_float
 
 _logger = logging.getLogger("trainer_core")
 
@@ -359,9 +359,13 @@ class Trainer:
                     cb.on_exception(self, module, exc)
             try:
                 # Lightning's rule: after an error only the plugin is torn down, not the user's hooks.
+                self.plugin.on_exception(exc)
                 self.plugin.teardown()
-                self._results = None
+            except Exception as cleanup_error:
+                # The user needs the first error; one from the cleanup after it is only reported.
+                rank_zero_warn(f"Cleaning up after `{stage}` failed also raised: {cleanup_error!r}")
             finally:
+                self._results = None
                 for lg in self.loggers:
                     lg.finalize("failed")
             raise
