@@ -162,3 +162,18 @@ def test_fsdp_plugin_rejects_bad_settings() -> None:
     plugin.configure_devices("cpu", 2, 1)
     with pytest.raises(MisconfigurationException, match=r"hybrid_shard=\(2, 3\)\) needs 6 processes"):
         plugin.device_mesh  # noqa: B018
+
+
+def test_sharded_plugin_without_fairscale_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainer_core.imports as imports
+    from trainer_core.plugins import DDPShardedPlugin
+
+    class Missing:
+        message = "Module not found: 'fairscale'"
+
+        def __bool__(self) -> bool:
+            return False
+
+    monkeypatch.setattr(imports, "FAIRSCALE_AVAILABLE", Missing())
+    with pytest.raises(ModuleNotFoundError, match=r"trainer-core\[sharded\]"):
+        DDPShardedPlugin()
