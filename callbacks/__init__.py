@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from trainer_core.callbacks.base import Callback
+from trainer_core.callbacks.lr_monitor import LearningRateMonitor
 from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
 from trainer_core.callbacks.progress import TQDMProgressBar
 
-__all__ = ["Callback", "ModelCheckpoint", "TQDMProgressBar"]
+__all__ = ["Callback", "LearningRateMonitor", "ModelCheckpoint", "TQDMProgressBar"]
 
 # Named in DESIGN.md's public API and built by later work.
-_PLANNED = {"EarlyStopping", "LearningRateMonitor", "Timer"}
+_PLANNED = {"EarlyStopping", "Timer"}
 
 
 def __getattr__(name: str) -> Any:

@@ -8,6 +8,7 @@ changes anything, so a bad file leaves the model, the optimizers and the trainer
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -118,6 +119,21 @@ def loop_state(trainer: Trainer) -> dict[str, Any]:
     }
     if trainer._epoch_start_rng is not None and not trainer._epoch_finished:
         state["epoch_start_rng"] = trainer._epoch_start_rng
+    if trainer._epoch_finished and not trainer._plateau_stepped:
+        # Saved in an epoch-end hook, before the epoch's ReduceLROnPlateau step: keep the metric it
+        # will read, so the resumed run takes that step exactly as the saved run did next.
+        pending = {}
+        for config in trainer.lr_scheduler_configs:
+            if (
+                config.reduce_on_plateau
+                and config.interval == "epoch"
+                and config.monitor in trainer.callback_metrics
+            ):
+                pending[config.monitor] = (
+                    torch.as_tensor(trainer.callback_metrics[config.monitor]).detach().cpu()
+                )
+        if pending:
+            state["pending_plateau_metrics"] = pending
     loader = trainer.train_dataloader
     if loader is not None and callable(getattr(loader, "state_dict", None)):
         state["dataloader"] = loader.state_dict()
@@ -229,21 +245,11 @@ def restore_checkpoint(
 
     optimizer_states: list[dict[str, Any]] = []
     if not weights_only:
-        saved = checkpoint[KEY_OPTIMIZER_STATES]
-        if len(saved) != len(plugin.optimizers):
-            raise CheckpointError(
-                f"{path} holds the state of {len(saved)} optimizer(s) but configure_optimizers returned "
-                f"{len(plugin.optimizers)}; resume with the optimizers the run was saved with."
-            )
-        optimizer_states = [
-            plugin.prepare_optimizer_state(opt, state, path) for state, opt in zip(saved, plugin.optimizers)
-        ]
-        schedulers = checkpoint[KEY_LR_SCHEDULERS]
-        if len(schedulers) != len(plugin.lr_scheduler_configs):
-            raise CheckpointError(
-                f"{path} holds {len(schedulers)} scheduler state(s) but configure_optimizers returned "
-                f"{len(plugin.lr_scheduler_configs)} scheduler(s); resume with the schedulers the run was saved with."
-            )
+        # Schedulers first: states that disagree are the root cause of ambiguous optimizer groups.
+        scheduler_states = _scheduler_states_for(
+            checkpoint[KEY_LR_SCHEDULERS], len(plugin.lr_scheduler_configs), path
+        )
+        optimizer_states = _optimizer_states_for(trainer, checkpoint[KEY_OPTIMIZER_STATES], path)
 
     # Nothing has changed yet; from here on the checkpoint is known to fit.
     trainer._current_fx = "on_load_checkpoint"
@@ -257,8 +263,12 @@ def restore_checkpoint(
         return
     for opt, state in zip(plugin.optimizers, optimizer_states):
         plugin.load_optimizer_state_dict(opt, state)
-    for config, state in zip(plugin.lr_scheduler_configs, checkpoint[KEY_LR_SCHEDULERS]):
+    regrouped = len(checkpoint[KEY_LR_SCHEDULERS]) != len(plugin.lr_scheduler_configs)
+    for config, state in zip(plugin.lr_scheduler_configs, scheduler_states):
         config.scheduler.load_state_dict(state)
+        if regrouped:
+            _rebase_learning_rates(config.scheduler)
+    _take_pending_plateau_steps(trainer, checkpoint[KEY_LOOPS])
     plugin.precision.load_state_dict(checkpoint.get(KEY_PRECISION, {}))
     callback_states = checkpoint.get(KEY_CALLBACKS, {})
     for cb in trainer.callbacks:
@@ -267,6 +277,103 @@ def restore_checkpoint(
     if trainer.datamodule is not None and KEY_DATAMODULE in checkpoint:
         trainer.datamodule.load_state_dict(checkpoint[KEY_DATAMODULE])
     _restore_loops(trainer, checkpoint)
+
+
+def _optimizer_states_for(trainer: Trainer, saved: list[dict[str, Any]], path: str) -> list[Any]:
+    """What each of this run's optimizers loads, checked; nothing is changed here.
+
+    With as many optimizers as were saved, each takes its own state. With more or fewer (the model
+    was split into more or fewer parts, each with its own optimizer), the name-keyed states are
+    pooled and every optimizer takes, by name, the parameters it holds.
+    """
+    plugin = trainer.plugin
+    optimizers = plugin.optimizers
+    if len(saved) == len(optimizers):
+        return [plugin.prepare_optimizer_state(opt, state, path) for state, opt in zip(saved, optimizers)]
+    if not saved:
+        raise CheckpointError(f"{path} holds no optimizer state; resume from a full checkpoint.")
+    pooled: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    for state in saved:
+        if not state:
+            continue
+        pooled.update(state.get("state", {}))
+        groups.extend(state.get("param_groups", []))
+    groups = _merge_equal_groups(groups)
+    names = {param: name for name, param in trainer.lightning_module.named_parameters()}  # type: ignore[union-attr]
+    prepared = []
+    for opt in optimizers:
+        mine = {names[p] for group in opt.param_groups for p in group["params"] if p in names}
+        part_groups = [{**g, "params": [n for n in g["params"] if n in mine]} for g in groups]
+        part = {
+            "state": {n: v for n, v in pooled.items() if n in mine},
+            "param_groups": [g for g in part_groups if g["params"]],
+        }
+        prepared.append(plugin.prepare_optimizer_state(opt, part, path))
+    return prepared
+
+
+def _merge_equal_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Saved param groups with the same hyper-parameters become one (parts of one split model)."""
+    merged: list[dict[str, Any]] = []
+    for group in groups:
+        settings = {k: v for k, v in group.items() if k != "params"}
+        for existing in merged:
+            if {k: v for k, v in existing.items() if k != "params"} == settings:
+                existing["params"] = [*existing["params"], *group["params"]]
+                break
+        else:
+            merged.append({**settings, "params": list(group["params"])})
+    return merged
+
+
+def _scheduler_states_for(saved: list[dict[str, Any]], count: int, path: str) -> list[dict[str, Any]]:
+    """One state per scheduler of this run from the flat saved list (copies when the counts differ).
+
+    A scheduler's ``load_state_dict`` keeps references into the dict it is given, so each
+    scheduler gets its own deep copy; the copies are only valid if every saved state is at the
+    same step.
+    """
+    if len(saved) == count:
+        return saved
+    if count == 0:
+        return []
+    if not saved:
+        raise CheckpointError(
+            f"{path} holds no scheduler state but configure_optimizers returned {count} scheduler(s)."
+        )
+    steps = sorted({state.get("last_epoch") for state in saved}, key=str)
+    kinds = sorted({tuple(sorted(state)) for state in saved})
+    if len(steps) > 1 or len(kinds) > 1:
+        raise CheckpointError(
+            f"{path} holds {len(saved)} scheduler states and this run has {count} scheduler(s); they can only be "
+            f"shared out when the saved ones agree, but they are at different steps ({steps}) or of different "
+            "kinds. Resume with the same number of schedulers as the saved run."
+        )
+    return [copy.deepcopy(saved[0]) for _ in range(count)]
+
+
+def _take_pending_plateau_steps(trainer: Trainer, loops: dict[str, Any]) -> None:
+    """The ReduceLROnPlateau steps the saved run took right after writing the checkpoint."""
+    pending = loops.get("pending_plateau_metrics")
+    if not pending:
+        return
+    for config in trainer.lr_scheduler_configs:
+        due = (loops["epoch"] + 1) % config.frequency == 0
+        if config.reduce_on_plateau and config.interval == "epoch" and due and config.monitor in pending:
+            trainer._call_module_hook("lr_scheduler_step", config.scheduler, pending[config.monitor])
+
+
+def _rebase_learning_rates(scheduler: Any) -> None:
+    """After loading another part's scheduler state: base and last rates from this scheduler's own optimizer."""
+    nested = getattr(scheduler, "_schedulers", None)
+    for inner in nested or ():
+        _rebase_learning_rates(inner)
+    groups = scheduler.optimizer.param_groups
+    if hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [group.get("initial_lr", group["lr"]) for group in groups]
+    if hasattr(scheduler, "_last_lr"):
+        scheduler._last_lr = [group["lr"] for group in groups]
 
 
 def _restore_loops(trainer: Trainer, checkpoint: dict[str, Any]) -> None:

@@ -358,6 +358,7 @@ def _start_epoch_iterator(t: Trainer, loader: Any, start: int) -> Iterator[Any]:
     from trainer_core.checkpointing import apply_rng_states, collect_rng_states
 
     t._epoch_finished = False
+    t._plateau_stepped = False
     t._batches_done_in_epoch = start
     resume_rng = t._resume_rng
     t._resume_rng = None
@@ -421,6 +422,7 @@ def _end_train_epoch(t: Trainer) -> None:
         cb.on_train_epoch_end(t, t.lightning_module)
     if t.lightning_module.automatic_optimization:
         update_lr_schedulers(t, "epoch", plateau=True)
+    t._plateau_stepped = True
     _, logged, _ = results.epoch_metrics()
     if logged:
         t._log_metrics(logged, max(0, t._batches_that_stepped - 1))

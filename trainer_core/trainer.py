@@ -214,6 +214,8 @@ class Trainer:
         self.val_check_batch: Union[int, float] = float("inf")
         self._batches_done_in_epoch = 0
         self._validated_batch = False
+        # Whether this epoch's ReduceLROnPlateau step has run (a checkpoint at epoch end may precede it).
+        self._plateau_stepped = False
         self._epoch_finished = False
         self._epoch_start_rng: Optional[dict[str, Any]] = None
         # Set by a restore, consumed by the first epoch after it.
