@@ -173,6 +173,17 @@ class DDPPlugin(TrainingTypePlugin):
             return model.no_sync()
         return contextlib.nullcontext()
 
+    def backward(self, loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
+        model = self._model
+        module = self._lightning_module
+        if (
+            isinstance(model, DistributedDataParallel)
+            and module is not None
+            and not module.automatic_optimization
+        ):
+            _prepare_for_backward(model, loss)
+        return super().backward(loss, optimizer, *args, **kwargs)
+
     def on_exception(self, exception: BaseException) -> None:
         global _RUN_FAILED
         _RUN_FAILED = True
@@ -251,6 +262,23 @@ class DDPPlugin(TrainingTypePlugin):
 
 # Set when this process's run failed: its peers may be gone or blocked, so exit must not wait for them.
 _RUN_FAILED = False
+
+
+def _prepare_for_backward(model: DistributedDataParallel, loss: Tensor) -> None:
+    """Ready DDP's reducer for one more backward of the same forward (manual optimization).
+
+    A manual ``training_step`` (a GAN's) runs one forward through DDP and several backwards; each
+    backward needs the reducer prepared, with the loss telling it which parameters took part.
+    """
+    if not (torch.is_grad_enabled() and model.require_backward_grad_sync):
+        model.require_forward_param_sync = False
+        return
+    from torch.nn.parallel.distributed import _find_tensors
+
+    model.require_forward_param_sync = True
+    used = list(_find_tensors(loss)) if model.find_unused_parameters and not model.static_graph else []
+    model.reducer._rebuild_buckets()
+    model.reducer.prepare_for_backward(used)
 
 
 def _destroy_process_group() -> None:

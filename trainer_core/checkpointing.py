@@ -135,6 +135,11 @@ def loop_state(trainer: Trainer) -> dict[str, Any]:
         if pending:
             state["pending_plateau_metrics"] = pending
     loader = trainer.train_dataloader
+    seed = getattr(getattr(loader, "sampler", None), "seed", None)
+    if isinstance(seed, int):
+        # A DistributedSampler shuffles from its own seed (from seed_everything): a resumed process
+        # seeded differently must still draw the saved run's order.
+        state["sampler_seed"] = seed
     if loader is not None and callable(getattr(loader, "state_dict", None)):
         state["dataloader"] = loader.state_dict()
     module = trainer.lightning_module
@@ -399,6 +404,7 @@ def _restore_loops(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     trainer._resume_dataloader_state = loops.get("dataloader")
     trainer._resume_grads = loops.get("accumulated_grads")
     trainer._validated_batch = loops.get("validated_last_batch", False)
+    trainer._resume_sampler_seed = loops.get("sampler_seed")
     trainer._restored_mid_run = trainer._resume_batch_idx > 0
 
 

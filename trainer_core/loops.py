@@ -162,6 +162,9 @@ def _ensure_train_dataloader(t: Trainer) -> None:
     if t.train_dataloader is not None:
         return
     (loader,) = resolve_dataloaders(t, "train", getattr(t, "_train_source", None))
+    seed = t._resume_sampler_seed
+    if seed is not None and isinstance(getattr(getattr(loader, "sampler", None), "seed", None), int):
+        loader.sampler.seed = seed
     t.train_dataloader = loader
     t.num_training_batches = num_batches(loader, t.limit_train_batches, "limit_train_batches")
     if isinstance(t.val_check_interval, int):

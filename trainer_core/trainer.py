@@ -223,6 +223,7 @@ class Trainer:
         self._resume_epoch_rng: Optional[dict[str, Any]] = None
         self._resume_dataloader_state: Any = None
         self._resume_grads: Optional[dict[str, Any]] = None
+        self._resume_sampler_seed: Optional[int] = None
 
     # ------------------------------------------------------------------ entry points
     def fit(
