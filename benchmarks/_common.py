@@ -379,3 +379,12 @@ def write_profile(profiler: Any, path: str | Path, lines: int = 40) -> Path:
     txt = path.with_suffix(".txt")
     txt.write_text(text.getvalue())
     return txt
+
+
+def parse_cases(parser: Any, text: str, known: Sequence[str]) -> list[str]:
+    """A comma-separated ``--cases`` value as a list, or a parser error naming the unknown ones."""
+    cases = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in known]
+    if unknown:
+        parser.error(f"--cases: unknown {unknown}; choose from {', '.join(known)}")
+    return cases

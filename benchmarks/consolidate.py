@@ -369,10 +369,7 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.repeats = 1 if args.quick else DEFAULT_REPEATS
     if args.width is None:
         args.width = 1024 if args.quick else DEFAULT_WIDTH
-    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = [c for c in args.cases if c not in CASES]
-    if unknown:
-        parser.error(f"--cases: unknown {unknown}; choose from {', '.join(CASES)}")
+    args.cases = common.parse_cases(parser, args.cases, CASES)
     return args
 
 

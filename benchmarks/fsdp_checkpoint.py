@@ -527,10 +527,7 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.layers = QUICK_LAYERS if args.quick else DEFAULT_LAYERS
     if args.saves < 2:
         parser.error("--saves must be at least 2: the first save of a job is shown apart")
-    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = [c for c in args.cases if c not in CASES]
-    if unknown:
-        parser.error(f"--cases: unknown {unknown}; choose from {', '.join(CASES)}")
+    args.cases = common.parse_cases(parser, args.cases, CASES)
     return args
 
 

@@ -172,8 +172,7 @@ class TQDMProgressBar(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if self.val_progress_bar is not None:
-            self.val_progress_bar.update(1)
+        self._advance(self.val_progress_bar)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.val_progress_bar is not None:
@@ -195,13 +194,10 @@ class TQDMProgressBar(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if self.test_progress_bar is not None:
-            self.test_progress_bar.update(1)
+        self._advance(self.test_progress_bar)
 
     def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.test_progress_bar is not None:
-            self.test_progress_bar.close()
-            self.test_progress_bar = None
+        self.test_progress_bar = self._close(self.test_progress_bar)
 
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.is_enabled:
@@ -216,23 +212,24 @@ class TQDMProgressBar(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if self.predict_progress_bar is not None:
-            self.predict_progress_bar.update(1)
+        self._advance(self.predict_progress_bar)
 
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.predict_progress_bar is not None:
-            self.predict_progress_bar.close()
-            self.predict_progress_bar = None
+        self.predict_progress_bar = self._close(self.predict_progress_bar)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        for bar in (
-            self.train_progress_bar,
-            self.val_progress_bar,
-            self.test_progress_bar,
-            self.predict_progress_bar,
-        ):
-            if bar is not None:
-                bar.close()
-        self.train_progress_bar = self.val_progress_bar = self.test_progress_bar = (
-            self.predict_progress_bar
-        ) = None
+        self.train_progress_bar = self._close(self.train_progress_bar)
+        self.val_progress_bar = self._close(self.val_progress_bar)
+        self.test_progress_bar = self._close(self.test_progress_bar)
+        self.predict_progress_bar = self._close(self.predict_progress_bar)
+
+    @staticmethod
+    def _advance(bar: Optional[_Bar]) -> None:
+        if bar is not None:
+            bar.update(1)
+
+    @staticmethod
+    def _close(bar: Optional[_Bar]) -> None:
+        """Close ``bar`` if there is one; returns ``None`` for the attribute that held it."""
+        if bar is not None:
+            bar.close()

@@ -20,6 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainer_core.errors import CheckpointError, MisconfigurationException
+from trainer_core.module import LightningModule
 from trainer_core.plugins.ddp import DDPPlugin
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ class FSDPPlugin(DDPPlugin):
             fully_shard(module, **kwargs)
         # The steps are not `forward`: register them so FSDP gathers the root's parameters for them.
         for name in _STEP_METHODS:
-            if is_overridden(name, module, _base_module()):
+            if is_overridden(name, module, LightningModule):
                 register_fsdp_forward_method(module, name)
 
     def wrap_model(self, module: nn.Module) -> nn.Module:
@@ -154,16 +155,6 @@ class FSDPPlugin(DDPPlugin):
         if self.world_size == 1:
             return contextlib.nullcontext()
         return self._skip_gradient_sync()
-
-    def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
-        """Clip by the norm of the whole (sharded) gradient: DTensor reduces it across ranks."""
-        self.precision.unscale_gradients(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if algorithm == "norm":
-            norm = torch.nn.utils.clip_grad_norm_(params, clip_val, foreach=True)
-            del norm
-        else:
-            torch.nn.utils.clip_grad_value_(params, clip_val)
 
     # ------------------------------------------------------------------ state
     def _options(self, full: bool) -> Any:
@@ -261,9 +252,6 @@ class FSDPPlugin(DDPPlugin):
         if self.is_global_zero:
             self.checkpoint_io.remove_checkpoint(filepath)
 
-    def teardown(self) -> None:
-        super().teardown()
-
 
 def _is_full(state: dict[str, Any]) -> bool:
     """Whether a loaded state holds plain tensors (a full checkpoint) rather than DTensor shards."""
@@ -283,9 +271,3 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, (list, tuple)):
         for value in obj:
             yield from _tensors(value)
-
-
-def _base_module() -> type:
-    from trainer_core.module import LightningModule
-
-    return LightningModule

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from trainer_core.datamodule import LightningDataModule
 from trainer_core.errors import MisconfigurationException
+from trainer_core.module import LightningModule
 from trainer_core.results import ResultCollection
 from trainer_core.utilities import rank_zero_warn, to_float
 
@@ -138,7 +139,7 @@ def run_fit(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, ckpt
         t.num_sanity_val_steps != 0
         and t.limit_val_batches != 0
         and not t._restored_mid_run
-        and is_overridden("validation_step", module, _base_module())
+        and is_overridden("validation_step", module, LightningModule)
     )
     if sanity:
         val_loaders = _sanity_check(t, val_dataloaders)
@@ -190,7 +191,7 @@ def _setup_val(t: Trainer, given: Any) -> list[Any]:
         return []
     loaders = resolve_dataloaders(t, "val", given)
     loaders = [dl for dl in loaders if dl is not None]
-    if loaders and not is_overridden("validation_step", t.lightning_module, _base_module()):
+    if loaders and not is_overridden("validation_step", t.lightning_module, LightningModule):
         rank_zero_warn(
             "Validation data was given but the module has no `validation_step`; validation is skipped."
         )
@@ -198,12 +199,6 @@ def _setup_val(t: Trainer, given: Any) -> list[Any]:
     t.val_dataloaders = loaders[0] if len(loaders) == 1 else loaders
     t.num_val_batches = [num_batches(dl, t.limit_val_batches, "limit_val_batches") for dl in loaders]
     return loaders
-
-
-def _base_module() -> type:
-    from trainer_core.module import LightningModule
-
-    return LightningModule
 
 
 def _sanity_check(t: Trainer, given: Any) -> list[Any]:
@@ -512,7 +507,7 @@ def _make_step(t: Trainer) -> Callable[[Any, int, bool], Any]:
         and precision.scaler is None
         and not hooks.on_before_backward
         and not hooks.on_after_backward
-        and not is_overridden("backward", module, _base_module())
+        and not is_overridden("backward", module, LightningModule)
     )
     backward = plugin.backward
     # Torch's built-in optimizers give the same result whether they call the closure or we call it
@@ -717,7 +712,7 @@ def run_evaluation(
         t.val_dataloaders, t.num_val_batches = (loaders[0] if len(loaders) == 1 else loaders), limits
     else:
         t.test_dataloaders, t.num_test_batches = (loaders[0] if len(loaders) == 1 else loaders), limits
-    if not is_overridden(f"{prefix}_step", t.lightning_module, _base_module()):
+    if not is_overridden(f"{prefix}_step", t.lightning_module, LightningModule):
         raise MisconfigurationException(
             f"`trainer.{stage}()` needs `{type(t.lightning_module).__name__}.{prefix}_step`; define it."
         )

@@ -206,9 +206,7 @@ class ResultCollection:
                 )
         if metric.on_step:
             if metric.sync_dist and self.plugin is not None and self.plugin.world_size > 1:
-                value = self.plugin.reduce(
-                    _as_tensor(value), reduce_op="mean" if metric.reduce_fx == "mean" else metric.reduce_fx
-                )
+                value = self.plugin.reduce(_as_tensor(value), reduce_op=metric.reduce_fx)
             metric.step_value = value
             self.step_dirty = True
         if metric.on_epoch:

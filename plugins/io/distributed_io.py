@@ -98,11 +98,6 @@ class DistributedCheckpointIO(CheckpointIO):
         fs.rm(fs_path, recursive=True)
 
     # ------------------------------------------------------------------ reading
-    def _is_complete(self, fs: fsspec.AbstractFileSystem, fs_path: str) -> bool:
-        if fs.isdir(fs_path):
-            return fs.exists(f"{fs_path}/{METADATA_FILE}") and fs.exists(f"{fs_path}/{TRAINER_STATE_FILE}")
-        return super()._is_complete(fs, fs_path)
-
     def _check_complete(self, path: PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
         url = os.fspath(path)
         fs, fs_path = self._resolve(url)
