@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from trainer_core.callbacks.base import Callback
+from trainer_core.callbacks.early_stopping import EarlyStopping
+from trainer_core.callbacks.gradient_accumulation import GradientAccumulationScheduler
 from trainer_core.callbacks.lr_monitor import LearningRateMonitor
 from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
-from trainer_core.callbacks.progress import TQDMProgressBar
+from trainer_core.callbacks.progress import ProgressBar, TQDMProgressBar
+from trainer_core.callbacks.rich_progress import RichProgressBar
+from trainer_core.callbacks.timer import Timer
 
-__all__ = ["Callback", "LearningRateMonitor", "ModelCheckpoint", "TQDMProgressBar"]
-
-# Named in DESIGN.md's public API and built by later work.
-_PLANNED = {"EarlyStopping", "Timer"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _PLANNED:
-        raise ImportError(
-            f"trainer_core.callbacks.{name} is not available in this version of trainer-core yet."
-        )
-    raise AttributeError(f"module 'trainer_core.callbacks' has no attribute {name!r}")
+__all__ = [
+    "Callback",
+    "EarlyStopping",
+    "GradientAccumulationScheduler",
+    "LearningRateMonitor",
+    "ModelCheckpoint",
+    "ProgressBar",
+    "RichProgressBar",
+    "TQDMProgressBar",
+    "Timer",
+]

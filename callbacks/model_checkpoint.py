@@ -1,13 +1,30 @@
-"""``ModelCheckpoint``: save the run every N steps or epochs, keep the best ``save_top_k``.
+"""``ModelCheckpoint``: save the run every N steps, N epochs or N minutes; keep the best ``save_top_k``.
 
-It only ever deletes files it wrote itself in this run's ``dirpath`` (recorded in its state), so
-two runs sharing a folder never remove each other's checkpoints.
+Lightning 2.x's arguments and attributes (``best_model_path``, ``best_model_score``,
+``best_k_models``, ``last_model_path``), with three rules of its own:
+
+* It only ever deletes checkpoints it wrote itself (recorded in its state, so a resumed run may
+  delete what the run it continues wrote), never the one the run resumed from: two runs sharing a
+  folder, local or on an object store, never remove each other's files. A name another run already
+  used gets a version suffix (``-v1``) instead of being overwritten.
+* ``save_last="link"`` makes ``last.ckpt`` point at the checkpoint just written instead of writing
+  the run a second time: a relative symlink on local disk, a server-side copy published with its
+  commit marker on object stores (which have no links). When no top-k checkpoint was written at
+  this step, ``last.ckpt`` is written in full, so it always holds the newest state.
+* A checkpoint a newer one replaces is deleted only after ``last.ckpt`` no longer points at it.
+
+Sharded checkpoints (folders written by ``DistributedCheckpointIO``) are handled like files.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
+import shutil
+import time
+import uuid
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
@@ -18,56 +35,102 @@ from trainer_core.errors import MisconfigurationException
 from trainer_core.utilities import rank_zero_warn
 
 if TYPE_CHECKING:
+    import fsspec
+
     from trainer_core.module import LightningModule
     from trainer_core.trainer import Trainer
 
 CHECKPOINT_EXT = ".ckpt"
 CHECKPOINT_NAME_LAST = "last"
+CHECKPOINT_JOIN_CHAR = "-"
+CHECKPOINT_EQUALS_CHAR = "="
+STARTING_VERSION = 1
 _MODES = {"min": (torch.lt, math.inf), "max": (torch.gt, -math.inf)}
+# ``{name}`` or ``{name:format}`` in a filename template.
+_TEMPLATE_FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
 
 
 class ModelCheckpoint(Callback):
-    """Lightning's ``ModelCheckpoint`` arguments: ``dirpath``, ``filename``, ``monitor``, ``mode``, ..."""
+    """Lightning's ``ModelCheckpoint``.
 
+    Args:
+        dirpath: folder (any fsspec URL); default ``<logger.log_dir>/checkpoints`` or
+            ``<default_root_dir>/checkpoints``.
+        filename: template such as ``"{epoch}-{val_loss:.2f}"``; default ``"{epoch}-{step}"``.
+        monitor: metric that ranks checkpoints; ``None`` keeps the latest.
+        save_last: ``True`` also writes ``last.ckpt`` at every save; ``"link"`` points it at the
+            checkpoint just written (symlink locally, server-side copy on object stores).
+        save_top_k: how many ranked checkpoints to keep (``-1`` all, ``0`` none).
+        auto_insert_metric_name: ``"{epoch}"`` becomes ``"epoch=3"`` (``False``: ``"3"``).
+        every_n_train_steps / train_time_interval / every_n_epochs: when to save (at most one);
+            without any, after every epoch (after its validation when there is one).
+        save_on_train_epoch_end: save at the end of the training epoch rather than after
+            validation; ``None`` decides as Lightning does.
+        enable_version_counter: a name that exists already gets ``-v1``, ``-v2``, ... instead of
+            overwriting it.
+    """
+
+    CHECKPOINT_NAME_LAST = CHECKPOINT_NAME_LAST
+    FILE_EXTENSION = CHECKPOINT_EXT
     # Runs after the module's ``on_train_epoch_end`` so it sees what that hook logged.
     _monitors_metrics = True
 
     def __init__(
         self,
-        dirpath: Optional[Union[str, Any]] = None,
+        dirpath: Optional[Union[str, os.PathLike]] = None,
         filename: Optional[str] = None,
         monitor: Optional[str] = None,
         verbose: bool = False,
-        save_last: Optional[bool] = None,
+        save_last: Optional[Union[bool, str]] = None,
         save_top_k: int = 1,
         save_weights_only: bool = False,
         mode: str = "min",
         auto_insert_metric_name: bool = True,
         every_n_train_steps: Optional[int] = None,
+        train_time_interval: Optional[timedelta] = None,
         every_n_epochs: Optional[int] = None,
         save_on_train_epoch_end: Optional[bool] = None,
         enable_version_counter: bool = True,
     ) -> None:
         if mode not in _MODES:
             raise MisconfigurationException(f"ModelCheckpoint(mode={mode!r}): use 'min' or 'max'.")
-        if save_top_k < -1:
+        if save_last not in (None, True, False, "link"):
             raise MisconfigurationException(
-                f"ModelCheckpoint(save_top_k={save_top_k}): use -1 (all), 0 (none) or more."
+                f"ModelCheckpoint(save_last={save_last!r}): use True, False or 'link'."
+            )
+        if not isinstance(save_top_k, int) or save_top_k < -1:
+            raise MisconfigurationException(
+                f"ModelCheckpoint(save_top_k={save_top_k!r}): use -1 (all), 0 (none) or more."
             )
         if monitor is None and save_top_k not in (-1, 0, 1):
             raise MisconfigurationException(
                 f"ModelCheckpoint(save_top_k={save_top_k}) ranks checkpoints by a metric; set `monitor=` too."
             )
-        if every_n_train_steps and every_n_epochs:
-            raise MisconfigurationException(
-                "ModelCheckpoint: set either every_n_train_steps or every_n_epochs, not both."
-            )
         for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
-            if value is not None and (not isinstance(value, int) or value < 0):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise MisconfigurationException(
                     f"ModelCheckpoint({name}={value!r}): use a non-negative integer."
                 )
-        self.dirpath: Optional[str] = str(dirpath) if dirpath is not None else None
+        if train_time_interval is not None and (
+            not isinstance(train_time_interval, timedelta) or train_time_interval.total_seconds() <= 0
+        ):
+            raise MisconfigurationException(
+                f"ModelCheckpoint(train_time_interval={train_time_interval!r}): use a positive datetime.timedelta."
+            )
+        triggers = [
+            f"{n}={v!r}"
+            for n, v in (
+                ("every_n_train_steps", every_n_train_steps),
+                ("every_n_epochs", every_n_epochs),
+                ("train_time_interval", train_time_interval),
+            )
+            if v
+        ]
+        if len(triggers) > 1:
+            raise MisconfigurationException(
+                f"ModelCheckpoint({', '.join(triggers)}): these triggers exclude each other; set only one."
+            )
+        self.dirpath: Optional[str] = os.fspath(dirpath) if dirpath is not None else None
         self.filename = filename
         self.monitor = monitor
         self.verbose = verbose
@@ -76,22 +139,28 @@ class ModelCheckpoint(Callback):
         self.save_weights_only = save_weights_only
         self.mode = mode
         self.auto_insert_metric_name = auto_insert_metric_name
+        no_trigger = every_n_train_steps is None and every_n_epochs is None and train_time_interval is None
         self._every_n_train_steps = every_n_train_steps or 0
-        self._every_n_epochs = (
-            1 if every_n_epochs is None and not every_n_train_steps else (every_n_epochs or 0)
-        )
+        self._every_n_epochs = 1 if no_trigger else (every_n_epochs or 0)
+        self._train_time_interval = train_time_interval
         self._save_on_train_epoch_end = save_on_train_epoch_end
         self._enable_version_counter = enable_version_counter
 
-        self.best_k_models: dict[str, Any] = {}
+        self.best_k_models: dict[str, torch.Tensor] = {}
         self.kth_best_model_path = ""
+        self.kth_value = torch.tensor(_MODES[mode][1])
         self.best_model_score: Optional[torch.Tensor] = None
         self.best_model_path = ""
         self.last_model_path = ""
         self.current_score: Optional[torch.Tensor] = None
-        # Files this callback wrote (this run or the one it resumed): the only ones it may delete.
+        # Checkpoints this callback wrote (this run or the one it resumed): the only ones it may delete.
         self._written: set[str] = set()
         self._last_global_step_saved = -1
+        # The checkpoint written last and at which step: what ``save_last="link"`` points at.
+        self._last_checkpoint_saved = ""
+        self._last_checkpoint_step = -1
+        self._last_time_checked: Optional[float] = None
+        self._validation_ran = False
 
     @property
     def state_key(self) -> str:
@@ -100,7 +169,12 @@ class ModelCheckpoint(Callback):
             mode=self.mode,
             every_n_train_steps=self._every_n_train_steps,
             every_n_epochs=self._every_n_epochs,
+            train_time_interval=self._train_time_interval,
         )
+
+    @property
+    def every_n_epochs(self) -> int:
+        return self._every_n_epochs
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -109,32 +183,38 @@ class ModelCheckpoint(Callback):
             self.dirpath = paths.join(root, "checkpoints")
         self.dirpath = trainer.plugin.broadcast(self.dirpath)
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._last_time_checked = time.monotonic()
+
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._skip(trainer) or not self._every_n_train_steps:
+        if self._skip(trainer):
             return
-        if trainer.global_step % self._every_n_train_steps != 0:
-            return
-        self._save(trainer, self._metrics(trainer))
+        every = self._every_n_train_steps
+        due = bool(every) and trainer.global_step % every == 0
+        interval = self._train_time_interval
+        if interval is not None:
+            now = time.monotonic()
+            elapsed = now - (self._last_time_checked if self._last_time_checked is not None else now)
+            # Clocks differ across ranks; saving is a collective, so every rank must agree.
+            time_due = trainer.plugin.reduce_boolean_decision(elapsed >= interval.total_seconds(), all=False)
+            if time_due:
+                self._last_time_checked = now
+            due = due or time_due
+        if due:
+            self._save(trainer, self._metrics(trainer), topk=True)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if (
-            not self._skip(trainer)
-            and self._should_save_on_train_epoch_end(trainer)
-            and self._epoch_due(trainer)
-        ):
-            self._save(trainer, self._metrics(trainer))
+        if not self._skip(trainer) and self._should_save_on_train_epoch_end(trainer):
+            self._save(trainer, self._metrics(trainer), topk=self._epoch_due(trainer))
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if (
-            trainer.state_stage != "fit"
-            or self._skip(trainer)
-            or self._should_save_on_train_epoch_end(trainer)
-        ):
+        if trainer.state_stage != "fit" or trainer.sanity_checking:
             return
-        if self._epoch_due(trainer):
-            self._save(trainer, self._metrics(trainer))
+        self._validation_ran = True
+        if not self._skip(trainer) and not self._should_save_on_train_epoch_end(trainer):
+            self._save(trainer, self._metrics(trainer), topk=self._epoch_due(trainer))
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -145,19 +225,27 @@ class ModelCheckpoint(Callback):
             "dirpath": self.dirpath,
             "best_k_models": dict(self.best_k_models),
             "kth_best_model_path": self.kth_best_model_path,
+            "kth_value": self.kth_value,
             "last_model_path": self.last_model_path,
             "written": sorted(self._written),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("dirpath") != self.dirpath and self.dirpath is not None:
+        saved_dir = state_dict.get("dirpath", self.dirpath)
+        if self.dirpath is not None and saved_dir != self.dirpath:
             # A resumed run that writes elsewhere starts its own ranking (Lightning's rule).
+            rank_zero_warn(
+                f"ModelCheckpoint: the checkpoint was written to {saved_dir!r} and this run writes to "
+                f"{self.dirpath!r}; only `best_model_path` is restored, the top-k ranking starts afresh."
+            )
+            self.best_model_path = state_dict.get("best_model_path", "")
             return
         self.best_model_score = state_dict.get("best_model_score")
         self.best_model_path = state_dict.get("best_model_path", "")
         self.current_score = state_dict.get("current_score")
         self.best_k_models = dict(state_dict.get("best_k_models", {}))
         self.kth_best_model_path = state_dict.get("kth_best_model_path", "")
+        self.kth_value = state_dict.get("kth_value", self.kth_value)
         self.last_model_path = state_dict.get("last_model_path", "")
         self._written = set(state_dict.get("written", []))
 
@@ -165,6 +253,7 @@ class ModelCheckpoint(Callback):
     def _skip(self, trainer: Trainer) -> bool:
         return (
             bool(trainer.fast_dev_run)
+            or trainer.state_stage != "fit"
             or trainer.sanity_checking
             or self._last_global_step_saved == trainer.global_step
         )
@@ -178,89 +267,140 @@ class ModelCheckpoint(Callback):
             return self._save_on_train_epoch_end
         if trainer.check_val_every_n_epoch != 1:
             return False
-        if not trainer._val_loaders_for_fit or sum(trainer.num_val_batches) == 0:
+        if sum(trainer.num_val_batches) == 0:
             return True
         return trainer.val_check_interval == 1.0
 
     def _metrics(self, trainer: Trainer) -> dict[str, Any]:
         metrics = dict(trainer.callback_metrics)
-        metrics["epoch"] = torch.tensor(trainer.current_epoch)
-        metrics["step"] = torch.tensor(trainer.global_step)
+        epoch, step = metrics.get("epoch"), metrics.get("step")
+        metrics["epoch"] = (
+            epoch.int() if isinstance(epoch, torch.Tensor) else torch.tensor(trainer.current_epoch)
+        )
+        metrics["step"] = step.int() if isinstance(step, torch.Tensor) else torch.tensor(trainer.global_step)
         return metrics
 
     # ------------------------------------------------------------------ saving
-    def _save(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
-        self._last_global_step_saved = trainer.global_step
-        if self.save_top_k != 0:
+    def _save(self, trainer: Trainer, metrics: dict[str, Any], topk: bool) -> None:
+        """One save event: the ranked checkpoint if due, then ``last``, then what they replaced."""
+        replaced: list[str] = []
+        if topk and self.save_top_k != 0:
             if self.monitor is None:
-                self._save_latest(trainer, metrics)
+                replaced = self._save_latest(trainer, metrics)
             else:
-                self._save_monitored(trainer, metrics)
+                replaced = self._save_monitored(trainer, metrics)
         if self.save_last:
-            self._save_last(trainer, metrics)
+            replaced += self._save_last(trainer, metrics)
+        for path in replaced:
+            self._remove(trainer, path)
 
-    def _save_latest(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
-        filepath = trainer.plugin.broadcast(self._unique_path(self.format_checkpoint_name(metrics)))
+    def _save_latest(self, trainer: Trainer, metrics: dict[str, Any]) -> list[str]:
         previous = self.best_model_path
-        self._write(trainer, filepath)
+        filepath = self._unique_path(trainer, self.format_checkpoint_name(metrics), replaceable=previous)
         self.best_model_path = filepath
-        if self.save_top_k != -1 and previous and previous != filepath:
-            self._remove(trainer, previous)
+        self._write(trainer, filepath)
+        if self.save_top_k == 1 and previous and previous != filepath:
+            return [previous]
+        return []
 
-    def _save_monitored(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
-        value = metrics.get(self.monitor)  # type: ignore[arg-type]
+    def _save_monitored(self, trainer: Trainer, metrics: dict[str, Any]) -> list[str]:
+        assert self.monitor is not None
+        value = metrics.get(self.monitor)
         if value is None:
-            available = ", ".join(sorted(k for k in metrics if k not in ("epoch", "step"))) or "none"
-            raise MisconfigurationException(
-                f"ModelCheckpoint(monitor={self.monitor!r}) could not find that metric (logged metrics: {available}). "
-                f"Log it with self.log({self.monitor!r}, ...) or change `monitor`."
-            )
-        current = torch.as_tensor(value, dtype=torch.float64).detach().cpu()
+            self._missing_monitor(trainer, metrics)
+            return []
+        current = torch.as_tensor(value, dtype=torch.float64).detach().cpu().squeeze()
         if torch.isnan(current):
             current = torch.tensor(_MODES[self.mode][1], dtype=torch.float64)
         self.current_score = current
         # Rank 0 decides for all: every rank must take part in the save (it is a collective).
         if not trainer.plugin.broadcast(self._improves_top_k(current)):
-            return
-        filepath = trainer.plugin.broadcast(self._unique_path(self.format_checkpoint_name(metrics)))
-        self._write(trainer, filepath)
-        self.best_k_models[filepath] = current
-        dropped = None
-        if self.save_top_k != -1 and len(self.best_k_models) > self.save_top_k:
-            dropped = self._worst_path()
+            if self.verbose and trainer.is_global_zero:
+                print(
+                    f"Epoch {trainer.current_epoch}, global step {trainer.global_step}: {self.monitor!r} "
+                    f"was not in top {self.save_top_k}"
+                )
+            return []
+        k = len(self.best_k_models) + 1 if self.save_top_k == -1 else self.save_top_k
+        dropped = ""
+        if len(self.best_k_models) == k:
+            dropped = self.kth_best_model_path
             self.best_k_models.pop(dropped)
+        filepath = self._unique_path(trainer, self.format_checkpoint_name(metrics), replaceable=dropped)
+        self.best_k_models[filepath] = current
+        if len(self.best_k_models) == k:
+            self.kth_best_model_path = self._worst_path()
+            self.kth_value = self.best_k_models[self.kth_best_model_path]
         sign = 1 if self.mode == "min" else -1
-        self.kth_best_model_path = self._worst_path()
         self.best_model_path = min(self.best_k_models, key=lambda p: float(self.best_k_models[p]) * sign)
         self.best_model_score = self.best_k_models[self.best_model_path]
-        if dropped is not None and dropped != filepath:
-            self._remove(trainer, dropped)
         if self.verbose and trainer.is_global_zero:
             print(
-                f"Epoch {trainer.current_epoch}, step {trainer.global_step}: {self.monitor} reached {float(current):.5g}; saved {filepath}"
+                f"Epoch {trainer.current_epoch}, global step {trainer.global_step}: {self.monitor!r} reached "
+                f"{float(current):.5f} (best {float(self.best_model_score):.5f}), saving model to "
+                f"{filepath!r} as top {k}"
             )
+        self._write(trainer, filepath)
+        return [dropped] if dropped and dropped != filepath else []
+
+    def _missing_monitor(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        available = ", ".join(sorted(k for k in metrics if k not in ("epoch", "step"))) or "none"
+        message = (
+            f"ModelCheckpoint(monitor={self.monitor!r}) could not find that metric (logged metrics: {available}). "
+            f"Log it with self.log({self.monitor!r}, ...) or change `monitor`."
+        )
+        # Before the first validation a validation metric cannot be there yet (Lightning warns then).
+        if self._validation_ran or sum(trainer.num_val_batches) == 0:
+            raise MisconfigurationException(message)
+        rank_zero_warn(message)
 
     def _improves_top_k(self, current: torch.Tensor) -> bool:
         if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
             return True
         worst = self.best_k_models[self._worst_path()]
-        return bool(_MODES[self.mode][0](current, torch.as_tensor(worst)))
+        return bool(_MODES[self.mode][0](current, torch.as_tensor(worst, dtype=current.dtype)))
 
     def _worst_path(self) -> str:
         sign = 1 if self.mode == "min" else -1
         return max(self.best_k_models, key=lambda p: float(self.best_k_models[p]) * sign)
 
-    def _save_last(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
-        filepath = paths.join(self.dirpath or "", CHECKPOINT_NAME_LAST + CHECKPOINT_EXT)
-        self._write(trainer, filepath)
+    def _save_last(self, trainer: Trainer, metrics: dict[str, Any]) -> list[str]:
+        previous = self.last_model_path
+        filepath = self._unique_path(
+            trainer,
+            self.format_checkpoint_name(metrics, filename=CHECKPOINT_NAME_LAST),
+            replaceable=previous,
+        )
         self.last_model_path = filepath
+        target = self._last_checkpoint_saved
+        if (
+            self.save_last == "link"
+            and target
+            and self._last_checkpoint_step == trainer.global_step
+            and target != filepath
+        ):
+            self._written.add(filepath)
+            self._link(trainer, target, filepath)
+        else:
+            if trainer.is_global_zero:
+                _unlink_if_symlink(filepath)
+            self._write(trainer, filepath)
+        return [previous] if previous and previous != filepath else []
 
     def _write(self, trainer: Trainer, filepath: str) -> None:
         self._written.add(filepath)
         trainer.save_checkpoint(filepath, weights_only=self.save_weights_only)
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        self._last_checkpoint_step = trainer.global_step
 
     def _remove(self, trainer: Trainer, filepath: str) -> None:
-        if filepath not in self._written or filepath in (self.best_model_path, self.last_model_path):
+        keep = {self.best_model_path, self.last_model_path, *self.best_k_models}
+        if self.save_last == "link" and self.last_model_path:
+            keep.add(self._last_checkpoint_saved)
+        if trainer.ckpt_path is not None:
+            keep.add(os.fspath(trainer.ckpt_path))
+        if filepath not in self._written or filepath in keep:
             return
         try:
             trainer.plugin.remove_checkpoint(filepath)
@@ -268,36 +408,94 @@ class ModelCheckpoint(Callback):
             rank_zero_warn(f"ModelCheckpoint: {filepath} was already removed.")
         self._written.discard(filepath)
 
+    def _link(self, trainer: Trainer, target: str, linkpath: str) -> None:
+        """Make ``linkpath`` show the checkpoint at ``target`` without writing the run again."""
+        if trainer.is_global_zero:
+            io = trainer.plugin.checkpoint_io
+            fs, link_fs_path = paths.resolve(linkpath)
+            _, target_fs_path = paths.resolve(target)
+            if paths.is_local(fs):
+                _replace_with_symlink(target_fs_path, link_fs_path)
+            else:
+                wait = getattr(io, "wait", None)
+                if callable(wait):
+                    wait()  # an asynchronous write of the target must be complete before it is copied
+                io.remove_checkpoint(linkpath)
+                _copy_on_store(fs, target_fs_path, link_fs_path)
+        trainer.plugin.barrier("ModelCheckpoint.link")
+        self._last_global_step_saved = trainer.global_step
+
     # ------------------------------------------------------------------ names
-    def format_checkpoint_name(self, metrics: dict[str, Any], prefix: str = "") -> str:
-        template = self.filename or "{epoch}-{step}"
-        groups = re.findall(r"(\{.*?)[:\}]", template)
-        values = {}
-        for group in groups:
-            name = group[1:]
-            if self.auto_insert_metric_name:
-                template = template.replace(group, f"{name}={{{name}", 1)
+    def format_checkpoint_name(
+        self, metrics: dict[str, Any], filename: Optional[str] = None, ver: Optional[int] = None
+    ) -> str:
+        """The path a checkpoint with ``metrics`` gets, e.g. ``{epoch}-{val_loss:.2f}`` -> ``epoch=2-val_loss=0.12.ckpt``.
+
+        A name in the template that is not in ``metrics`` formats as 0, as in Lightning.
+        """
+        template = filename or self.filename or "{epoch}" + CHECKPOINT_JOIN_CHAR + "{step}"
+
+        def fill(match: re.Match[str]) -> str:
+            name, spec = match.group(1), (match.group(2) or "")[1:]
             value = metrics.get(name, 0)
             if isinstance(value, torch.Tensor):
                 value = value.item()
-            values[name] = value
-        # str.format cannot take names with "/" or "."; substitute safe placeholders.
-        safe: dict[str, Any] = {}
-        for idx, (name, value) in enumerate(values.items()):
-            key = f"m{idx}"
-            template = template.replace("{" + name, "{" + key)
-            safe[key] = value
-        name = template.format(**safe)
-        return paths.join(self.dirpath or "", f"{prefix}{name}{CHECKPOINT_EXT}")
+            text = format(value, spec)
+            return f"{name}{CHECKPOINT_EQUALS_CHAR}{text}" if self.auto_insert_metric_name else text
 
-    def _unique_path(self, filepath: str) -> str:
-        if not self._enable_version_counter or filepath in self._written:
+        name = _TEMPLATE_FIELD.sub(fill, template)
+        if ver is not None:
+            name = f"{name}{CHECKPOINT_JOIN_CHAR}v{ver}"
+        return paths.join(self.dirpath or "", f"{name}{CHECKPOINT_EXT}")
+
+    def _unique_path(self, trainer: Trainer, filepath: str, replaceable: str = "") -> str:
+        """``filepath``, or with ``-v1``, ``-v2``, ... while that name is taken (rank 0 looks, all agree)."""
+        if not self._enable_version_counter or filepath == replaceable:
             return filepath
-        fs, _ = paths.resolve(filepath)
-        stem = filepath[: -len(CHECKPOINT_EXT)]
-        version = 1
         candidate = filepath
-        while fs.exists(paths.resolve(candidate)[1]):
-            candidate = f"{stem}-v{version}{CHECKPOINT_EXT}"
-            version += 1
-        return candidate
+        if trainer.is_global_zero:
+            fs, _ = paths.resolve(filepath)
+            stem = filepath[: -len(CHECKPOINT_EXT)]
+            version = STARTING_VERSION
+            while candidate != replaceable and fs.exists(paths.resolve(candidate)[1]):
+                candidate = f"{stem}{CHECKPOINT_JOIN_CHAR}v{version}{CHECKPOINT_EXT}"
+                version += 1
+        return trainer.plugin.broadcast(candidate)
+
+
+def _replace_with_symlink(target: str, link: str) -> None:
+    """Point ``link`` at ``target`` (relative, so the folder can move) in one atomic rename."""
+    from trainer_core.plugins.io.checkpoint_io import TEMP_INFIX
+
+    folder, name = os.path.split(link)
+    os.makedirs(folder, exist_ok=True)
+    temp = os.path.join(folder, f".{name}{TEMP_INFIX}{uuid.uuid4().hex[:12]}")
+    os.symlink(os.path.relpath(target, folder), temp)
+    if os.path.isdir(link) and not os.path.islink(link):
+        shutil.rmtree(link)  # a sharded checkpoint folder cannot be renamed over
+    os.replace(temp, link)
+
+
+def _unlink_if_symlink(url: str) -> None:
+    """Remove a local ``last`` link before ``last`` is written in full (a folder cannot replace a link)."""
+    fs, fs_path = paths.resolve(url)
+    if paths.is_local(fs) and os.path.islink(fs_path):
+        os.unlink(fs_path)
+
+
+def _copy_on_store(fs: fsspec.AbstractFileSystem, target: str, link: str) -> None:
+    """Server-side copy of a checkpoint on an object store, published the way its writer publishes it.
+
+    A file gets its commit marker after the copy; a sharded folder gets DCP's metadata file last,
+    so a reader never picks a half-made copy.
+    """
+    from trainer_core.plugins.io.checkpoint_io import write_commit_marker
+    from trainer_core.plugins.io.distributed_io import METADATA_FILE
+
+    if not fs.isdir(target):
+        fs.copy(target, link)
+        write_commit_marker(fs, link, size=fs.size(link))
+        return
+    files = sorted(fs.find(target), key=lambda p: p.rsplit("/", 1)[-1] == METADATA_FILE)
+    for path in files:
+        fs.copy(path, link + path[len(target.rstrip("/")) :])

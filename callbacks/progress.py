@@ -49,7 +49,37 @@ def _total(n: Any) -> Optional[int]:
     return None if n is None or (isinstance(n, float) and math.isinf(n)) else int(n)
 
 
-class TQDMProgressBar(Callback):
+class ProgressBar(Callback):
+    """What every progress bar shares: on or off, and the metrics it shows.
+
+    The Trainer adds a ``TQDMProgressBar`` unless a ``ProgressBar`` is among the callbacks.
+    """
+
+    def __init__(self) -> None:
+        self._enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        """What the bar shows: the ``prog_bar`` metrics and the logger's version as ``v_num``."""
+        metrics: dict[str, Any] = {}
+        logger = trainer.logger
+        if logger is not None and getattr(logger, "_version", None) is not None:
+            version = logger.version
+            metrics["v_num"] = version[-4:] if isinstance(version, str) else version
+        metrics.update(trainer.progress_bar_metrics)
+        return metrics
+
+
+class TQDMProgressBar(ProgressBar):
     """Progress bars like Lightning's: ``refresh_rate`` batches per update (0 disables it)."""
 
     def __init__(
@@ -61,11 +91,11 @@ class TQDMProgressBar(Callback):
     ) -> None:
         if not isinstance(refresh_rate, int) or refresh_rate < 0:
             raise ValueError(f"TQDMProgressBar(refresh_rate={refresh_rate!r}): use a non-negative integer.")
+        super().__init__()
         self.refresh_rate = refresh_rate
         self.process_position = process_position
         self.leave = leave
         self._file = file
-        self._enabled = True
         self.train_progress_bar: Optional[_Bar] = None
         self.val_progress_bar: Optional[_Bar] = None
         self.test_progress_bar: Optional[_Bar] = None
@@ -75,22 +105,6 @@ class TQDMProgressBar(Callback):
     @property
     def is_enabled(self) -> bool:
         return self._enabled and self.refresh_rate > 0
-
-    def disable(self) -> None:
-        self._enabled = False
-
-    def enable(self) -> None:
-        self._enabled = True
-
-    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
-        """What the postfix shows: the ``prog_bar`` metrics and the logger's version as ``v_num``."""
-        metrics: dict[str, Any] = {}
-        logger = trainer.logger
-        if logger is not None and getattr(logger, "_version", None) is not None:
-            version = logger.version
-            metrics["v_num"] = version[-4:] if isinstance(version, str) else version
-        metrics.update(trainer.progress_bar_metrics)
-        return metrics
 
     def _new_bar(
         self, desc: str, total: Any, position_offset: int, leave: bool, with_metrics: bool = False

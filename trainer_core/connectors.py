@@ -9,7 +9,7 @@ import torch
 
 from trainer_core.callbacks.base import Callback
 from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
-from trainer_core.callbacks.progress import TQDMProgressBar
+from trainer_core.callbacks.progress import ProgressBar, TQDMProgressBar
 from trainer_core.errors import MisconfigurationException
 from trainer_core.loggers import CSVLogger, TensorBoardLogger, tensorboard_available
 from trainer_core.plugins import TrainingTypePlugin, plugin_from_name
@@ -158,7 +158,7 @@ def configure_callbacks(
         )
     if enable_checkpointing and not has_checkpoint:
         result.append(ModelCheckpoint())
-    has_bar = any(isinstance(cb, TQDMProgressBar) for cb in result)
+    has_bar = any(isinstance(cb, ProgressBar) for cb in result)
     if has_bar and not enable_progress_bar:
         raise MisconfigurationException(
             "Trainer(enable_progress_bar=False) but a progress bar is in `callbacks`; remove one of the two."

@@ -1,0 +1,262 @@
+"""``RichProgressBar``: the progress bars drawn with ``rich`` (optional: ``pip install rich``).
+
+The same events as ``TQDMProgressBar`` (training, validation, test and predict bars on global
+rank 0), drawn by ``rich.progress``. Rich redraws only when this callback asks (no background
+thread reading the trainer's metrics while a step runs), at most ``refresh_rate`` batches apart
+and at most ten times a second, so a fast loop pays for neither the metrics text nor the drawing
+on every step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+from trainer_core.callbacks.progress import ProgressBar
+from trainer_core.errors import MisconfigurationException
+
+if TYPE_CHECKING:
+    from trainer_core.module import LightningModule
+    from trainer_core.trainer import Trainer
+
+_MIN_REDRAW_SECONDS = 0.1
+
+
+def _import_rich() -> Any:
+    try:
+        import rich.progress
+    except ImportError as err:
+        raise MisconfigurationException(
+            "RichProgressBar needs the `rich` package, which is not installed: `pip install rich` "
+            "(or `pip install trainer-core[test]`), or use TQDMProgressBar, the default."
+        ) from err
+    return rich.progress
+
+
+def _total(n: Any) -> Optional[float]:
+    return None if n is None or (isinstance(n, float) and math.isinf(n)) else float(n)
+
+
+class RichProgressBar(ProgressBar):
+    """Progress bars drawn with ``rich``.
+
+    Args:
+        refresh_rate: batches between updates (``0`` disables the bar).
+        leave: keep the finished training bar of each epoch on screen.
+        console_kwargs: arguments for ``rich.console.Console`` (e.g. ``file=``, ``width=``).
+    """
+
+    def __init__(
+        self, refresh_rate: int = 1, leave: bool = False, console_kwargs: Optional[dict[str, Any]] = None
+    ) -> None:
+        self._rich = _import_rich()
+        if isinstance(refresh_rate, bool) or not isinstance(refresh_rate, int) or refresh_rate < 0:
+            raise MisconfigurationException(
+                f"RichProgressBar(refresh_rate={refresh_rate!r}): use a non-negative integer."
+            )
+        super().__init__()
+        self.refresh_rate = refresh_rate
+        self.leave = leave
+        self._console_kwargs = dict(console_kwargs or {})
+        self.progress: Any = None
+        self.train_progress_bar_id: Optional[int] = None
+        self.val_progress_bar_id: Optional[int] = None
+        self.test_progress_bar_id: Optional[int] = None
+        self.predict_progress_bar_id: Optional[int] = None
+        self._trainer: Optional[Trainer] = None
+        self._last_redraw = 0.0
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled and self.refresh_rate > 0
+
+    # ------------------------------------------------------------------ drawing
+    def _start(self, trainer: Trainer) -> None:
+        if self.progress is not None:
+            return
+        from rich.console import Console
+
+        rp = self._rich
+        bar = self
+
+        class MetricsColumn(rp.ProgressColumn):
+            """The ``prog_bar`` metrics beside the training bar only."""
+
+            def render(self, task: Any) -> Any:
+                from rich.text import Text
+
+                if task.id != bar.train_progress_bar_id or bar._trainer is None:
+                    return Text("")
+                metrics = bar.get_metrics(bar._trainer, bar._trainer.lightning_module)
+                return Text(" ".join(f"{k}: {_fmt(v)}" for k, v in metrics.items()))
+
+        self._trainer = trainer
+        self.progress = rp.Progress(
+            rp.TextColumn("[progress.description]{task.description}"),
+            rp.BarColumn(),
+            rp.MofNCompleteColumn(),
+            rp.TimeElapsedColumn(),
+            MetricsColumn(),
+            console=Console(**self._console_kwargs),
+            auto_refresh=False,
+        )
+        self.progress.start()
+
+    def _redraw(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_redraw >= _MIN_REDRAW_SECONDS:
+            self._last_redraw = now
+            self.progress.refresh()
+
+    def _advance(self, task_id: Optional[int], batch_idx: int, last: bool = False) -> None:
+        if task_id is None:
+            return
+        if last or (batch_idx + 1) % self.refresh_rate == 0:
+            self.progress.update(task_id, completed=batch_idx + 1)
+            self._redraw(force=last)
+
+    def _add_task(self, description: str, total: Any) -> int:
+        return self.progress.add_task(description, total=_total(total))
+
+    def _finish_task(self, task_id: Optional[int], keep: bool) -> None:
+        if task_id is None or self.progress is None:
+            return
+        task = next((t for t in self.progress.tasks if t.id == task_id), None)
+        if task is not None and task.total is not None:
+            self.progress.update(task_id, completed=task.total)
+        if not keep:
+            self.progress.update(task_id, visible=False)
+        self._redraw(force=True)
+
+    def _stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+        self.train_progress_bar_id = self.val_progress_bar_id = None
+        self.test_progress_bar_id = self.predict_progress_bar_id = None
+
+    # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._trainer = trainer
+        if not trainer.is_global_zero:
+            self.disable()
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.is_enabled:
+            return
+        self._start(trainer)
+        description = f"Epoch {trainer.current_epoch}"
+        if self.train_progress_bar_id is not None and not self.leave:
+            self.progress.reset(
+                self.train_progress_bar_id,
+                total=_total(trainer.num_training_batches),
+                description=description,
+            )
+        else:
+            self.train_progress_bar_id = self._add_task(description, trainer.num_training_batches)
+        self._redraw(force=True)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.train_progress_bar_id is not None:
+            self._advance(self.train_progress_bar_id, batch_idx)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.train_progress_bar_id is not None:
+            self.progress.update(self.train_progress_bar_id, completed=trainer.batch_idx + 1)
+            self._redraw(force=True)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._stop()
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.is_enabled:
+            return
+        self._start(trainer)
+        counts = trainer.num_val_batches
+        if trainer.sanity_checking:
+            steps = trainer.num_sanity_val_steps
+            counts = [n if steps == -1 else min(n, steps) for n in counts]
+        total = sum(n for n in counts if not math.isinf(n)) if counts else None
+        description = "Sanity Checking" if trainer.sanity_checking else "Validation"
+        self.val_progress_bar_id = self._add_task(description, total)
+        self._val_seen = 0
+
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self.val_progress_bar_id is not None:
+            self._val_seen += 1
+            self._advance(self.val_progress_bar_id, self._val_seen - 1)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._finish_task(self.val_progress_bar_id, keep=False)
+        self.val_progress_bar_id = None
+        if trainer.state_stage != "fit":
+            self._stop()
+
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.is_enabled:
+            self._start(trainer)
+            self.test_progress_bar_id = self._add_task("Testing", sum(trainer.num_test_batches))
+            self._test_seen = 0
+
+    def on_test_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self.test_progress_bar_id is not None:
+            self._test_seen += 1
+            self._advance(self.test_progress_bar_id, self._test_seen - 1)
+
+    def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._finish_task(self.test_progress_bar_id, keep=True)
+        self._stop()
+
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.is_enabled:
+            self._start(trainer)
+            self.predict_progress_bar_id = self._add_task("Predicting", sum(trainer.num_predict_batches))
+            self._predict_seen = 0
+
+    def on_predict_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self.predict_progress_bar_id is not None:
+            self._predict_seen += 1
+            self._advance(self.predict_progress_bar_id, self._predict_seen - 1)
+
+    def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._finish_task(self.predict_progress_bar_id, keep=True)
+        self._stop()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._stop()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._stop()
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
