@@ -240,8 +240,12 @@ def _fit_done(t: Trainer) -> bool:
 
 
 def _can_stop(t: Trainer) -> bool:
-    """``should_stop`` takes effect only once ``min_epochs`` and ``min_steps`` are met."""
-    if t.min_epochs is not None and t.current_epoch + 1 < t.min_epochs:
+    """``should_stop`` takes effect only once ``min_epochs`` and ``min_steps`` are met.
+
+    ``current_epoch`` counts the epochs finished (inside an epoch, those before it), as Lightning's
+    ``epoch_progress.current.processed`` does: the epoch that reaches ``min_epochs`` runs to its end.
+    """
+    if t.min_epochs is not None and t.current_epoch < t.min_epochs:
         return False
     return not (t.min_steps is not None and t.global_step < t.min_steps)
 

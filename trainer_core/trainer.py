@@ -632,10 +632,10 @@ class Trainer:
 
     @property
     def progress_bar_callback(self) -> Optional[Callback]:
-        from trainer_core.callbacks.progress import TQDMProgressBar
+        from trainer_core.callbacks.progress import ProgressBar
 
         for cb in self.callbacks:
-            if isinstance(cb, TQDMProgressBar):
+            if isinstance(cb, ProgressBar):
                 return cb
         return None
 
