@@ -41,6 +41,8 @@ _EXTRAS = {
         "torchdata>=0.8",
         "psutil>=5.9",
         "fairscale==0.4.13",
+        # RichProgressBar, an optional progress bar.
+        "rich>=13",
     ],
     "bench": ["pytorch-lightning==2.6.6", "psutil>=5.9", "fairscale==0.4.13"],
 }
