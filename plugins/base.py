@@ -17,12 +17,15 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainer_core.errors import MisconfigurationException
-from trainer_core.optim import LRSchedulerConfig, parse_optimizers
+from trainer_core.optim import LRSchedulerConfig, optimizer_defaults, parse_optimizers
 from trainer_core.precision import Precision
 from trainer_core.utilities import move_data_to_device
 
+__all__ = ["TrainingTypePlugin", "optimizer_defaults"]
+
 if TYPE_CHECKING:
     from trainer_core.module import LightningModule
+    from trainer_core.optimizer_in_backward import OptimizerInBackward
     from trainer_core.plugins.io import CheckpointIO
     from trainer_core.trainer import Trainer
 
@@ -32,6 +35,8 @@ class TrainingTypePlugin:
 
     #: The registry name (``Trainer(plugins="...")``).
     name: str = "base"
+    #: Why ``Trainer(optimizer_in_backward=True)`` cannot run under this plugin, or ``None`` when it can.
+    optimizer_in_backward_unsupported: Optional[str] = None
 
     def __init__(self, checkpoint_io: Optional[CheckpointIO] = None) -> None:
         self._checkpoint_io = checkpoint_io
@@ -39,6 +44,8 @@ class TrainingTypePlugin:
         self._model: Optional[nn.Module] = None
         self.optimizers: list[Optimizer] = []
         self.lr_scheduler_configs: list[LRSchedulerConfig] = []
+        #: Per-parameter optimizers stepped during backward (``Trainer(optimizer_in_backward=True)``).
+        self.in_backward_optimizer: Optional[OptimizerInBackward] = None
         self.precision: Precision = Precision("32-true")
         self._trainer: Optional[Trainer] = None
 
@@ -163,12 +170,21 @@ class TrainingTypePlugin:
         """The optimizer the run steps; sharded plugins wrap it here (OSS, ZeRO)."""
         return optimizer
 
+    def setup_optimizer_in_backward(self) -> None:
+        """Hook per-parameter copies of the optimizer onto the (wrapped, sharded) parameters."""
+        from trainer_core.optimizer_in_backward import OptimizerInBackward
+
+        self.in_backward_optimizer = OptimizerInBackward(self.optimizers[0])
+
     def on_exception(self, exception: BaseException) -> None:
         """The run failed with ``exception`` (called before ``teardown``)."""
 
     def teardown(self) -> None:
         """Release what ``setup`` created; the module is left on its device, unwrapped."""
         self._model = None
+        if self.in_backward_optimizer is not None:
+            self.in_backward_optimizer.remove()
+            self.in_backward_optimizer = None
         if self._checkpoint_io is not None:
             self._checkpoint_io.teardown()
 
@@ -349,20 +365,3 @@ def _accepts_to(fn: Callable[..., Any]) -> bool:
         return "to" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-
-
-def optimizer_defaults(optimizer: Optimizer) -> dict[str, Any]:
-    """The hyper-parameters to build another ``type(optimizer)`` with (for sharded wrappers).
-
-    ``optimizer.defaults`` can hold keys its own ``__init__`` does not take (torch's ``AdamW``
-    stores ``decoupled_weight_decay``, set by its parent class), so only accepted names pass.
-    """
-    import inspect
-
-    try:
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-    except (TypeError, ValueError):
-        return dict(optimizer.defaults)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-        return dict(optimizer.defaults)
-    return {k: v for k, v in optimizer.defaults.items() if k in accepted}

@@ -54,6 +54,11 @@ class DDPPlugin(TrainingTypePlugin):
     """``DistributedDataParallel`` over ``devices`` processes per node."""
 
     name = "ddp"
+    optimizer_in_backward_unsupported = (
+        "a parameter's gradient hook fires before DistributedDataParallel has all-reduced that gradient, so each "
+        "rank would step on its own local gradient and the replicas would drift apart. Use FSDPPlugin (its hook "
+        "fires on the reduced, sharded gradient) or SingleDevicePlugin"
+    )
 
     def __init__(
         self,

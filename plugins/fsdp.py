@@ -43,6 +43,8 @@ class FSDPPlugin(DDPPlugin):
     """
 
     name = "fsdp"
+    # FSDP2 runs post-accumulate-grad hooks on the sharded gradient after its reduce-scatter.
+    optimizer_in_backward_unsupported = None
 
     def __init__(
         self,

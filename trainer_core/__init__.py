@@ -5,6 +5,7 @@ import logging
 from trainer_core.__about__ import __version__
 from trainer_core.datamodule import LightningDataModule
 from trainer_core.module import LightningModule
+from trainer_core.optim import get_lr
 from trainer_core.seed import seed_everything
 from trainer_core.trainer import Trainer
 
@@ -15,4 +16,4 @@ if not _logger.handlers:
     _logger.setLevel(logging.INFO)
     _logger.propagate = False
 
-__all__ = ["LightningDataModule", "LightningModule", "Trainer", "__version__", "seed_everything"]
+__all__ = ["LightningDataModule", "LightningModule", "Trainer", "__version__", "get_lr", "seed_everything"]

@@ -113,7 +113,10 @@ def loop_state(trainer: Trainer) -> dict[str, Any]:
         "epoch_finished": trainer._epoch_finished,
         "total_batch_idx": trainer.total_batch_idx,
         "batches_that_stepped": trainer._batches_that_stepped,
-        "world_size": trainer.world_size,
+        # The number of data-parallel replicas: what splits an epoch's batches (pipeline ranks do not).
+        "world_size": _data_replicas(trainer),
+        # With ``world_size``, how many samples of the epoch are done (to resume at another world size).
+        "batch_size": _loader_batch_size(trainer.train_dataloader),
         # Whether the last batch's validation (if it was due) already ran before this save.
         "validated_last_batch": trainer._validated_batch,
     }
@@ -393,11 +396,16 @@ def _restore_loops(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     else:
         trainer.current_epoch = loops["epoch"]
         done = loops["batches_done_in_epoch"]
-        saved_world = loops.get("world_size", trainer.world_size)
-        if saved_world != trainer.world_size:
-            # Another world size splits the data differently: continue from the same fraction of the
-            # epoch (exact only at the world size the checkpoint was written at).
-            done = round(done * saved_world / trainer.world_size)
+        replicas = _data_replicas(trainer)
+        saved_world = loops.get("world_size", replicas)
+        if saved_world != replicas:
+            # Another world size splits the data differently: continue after the samples already
+            # seen (exact only at the world size the checkpoint was written at). Without the batch
+            # sizes, assume each rank's batch kept its size.
+            done = round(done * saved_world / replicas)
+            saved_batch = loops.get("batch_size")
+            if saved_batch:
+                trainer._resume_samples_done = loops["batches_done_in_epoch"] * saved_world * saved_batch
         trainer._resume_batch_idx = done
         trainer._resume_epoch_rng = loops.get("epoch_start_rng")
     trainer._resume_rng = _rng_for_this_rank(trainer, checkpoint)
@@ -406,6 +414,26 @@ def _restore_loops(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     trainer._validated_batch = loops.get("validated_last_batch", False)
     trainer._resume_sampler_seed = loops.get("sampler_seed")
     trainer._restored_mid_run = trainer._resume_batch_idx > 0
+
+
+def _loader_batch_size(loader: Any) -> Optional[int]:
+    size = getattr(loader, "batch_size", None)
+    return size if isinstance(size, int) else None
+
+
+def resume_batch_at_another_world_size(trainer: Trainer, loader: Any) -> None:
+    """Once the loader exists: the first batch after the samples the saved run had already seen."""
+    samples = trainer._resume_samples_done
+    trainer._resume_samples_done = None
+    batch = _loader_batch_size(loader)
+    if samples is not None and batch:
+        trainer._resume_batch_idx = samples // (_data_replicas(trainer) * batch)
+
+
+def _data_replicas(trainer: Trainer) -> int:
+    """Processes that each draw their own part of the data (all of them, but for pipeline parallelism)."""
+    kwargs = trainer.plugin.distributed_sampler_kwargs
+    return kwargs["num_replicas"] if kwargs else trainer.world_size
 
 
 def _rng_for_this_rank(trainer: Trainer, checkpoint: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,8 @@ from trainer_core.results import ResultCollection
 from trainer_core.utilities import rank_zero_warn, to_float
 
 if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
     from trainer_core.trainer import Trainer
 
 _KIND_HOOK = {
@@ -167,6 +169,10 @@ def _ensure_train_dataloader(t: Trainer) -> None:
     if seed is not None and isinstance(getattr(getattr(loader, "sampler", None), "seed", None), int):
         loader.sampler.seed = seed
     t.train_dataloader = loader
+    if t._resume_samples_done is not None:
+        from trainer_core.checkpointing import resume_batch_at_another_world_size
+
+        resume_batch_at_another_world_size(t, loader)
     t.num_training_batches = num_batches(loader, t.limit_train_batches, "limit_train_batches")
     if isinstance(t.val_check_interval, int):
         t.val_check_batch = t.val_check_interval
@@ -523,6 +529,17 @@ def _make_step(t: Trainer) -> Callable[[Any, int, bool], Any]:
         and type(optimizer).__module__.startswith("torch.optim.")
         and not isinstance(optimizer, torch.optim.LBFGS)
     )
+    # Under optimizer_in_backward the parameters step inside backward, from their gradient hooks,
+    # with the hyper-parameters the optimizer holds then (a scheduler's, or set in training_step).
+    in_backward = plugin.in_backward_optimizer
+    if in_backward is not None:
+        direct_step = plain_backward = False
+        plugin_backward = plugin.backward
+
+        def backward(loss: Tensor, optimizer: Optimizer) -> Tensor:
+            in_backward.sync()
+            return plugin_backward(loss, optimizer)
+
     optimizer_step = plugin.optimizer_step
     current_batch: Any = None
     current_idx = 0
@@ -611,6 +628,8 @@ def _validate_in_fit(t: Trainer, val_loaders: list[Any]) -> None:
     module = t.lightning_module
     acc = t.accumulate_grad_batches
     at_boundary = acc == 1 or (t.batch_idx + 1) % acc == 0 or t._is_last_batch
+            elif in_backward is not None:
+                closure()
     if at_boundary or not module.automatic_optimization:
         # Gradients are not needed until the next step: release their memory for validation.
         t._call_module_hook("on_validation_model_zero_grad")

@@ -175,6 +175,52 @@ def _describe(obj: Any) -> str:
     return f"a {type(obj).__name__}"
 
 
+def optimizer_defaults(optimizer: Optimizer) -> dict[str, Any]:
+    """The hyper-parameters to build another ``type(optimizer)`` with (sharded wrappers, per-parameter copies).
+
+    ``optimizer.defaults`` can hold keys its own ``__init__`` does not take (torch's ``AdamW``
+    stores ``decoupled_weight_decay``, set by its parent class), so only accepted names pass.
+    """
+    import inspect
+
+    try:
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+    except (TypeError, ValueError):
+        return dict(optimizer.defaults)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
+
+
+def get_lr(optimizer: Any) -> float:
+    """The learning rate ``optimizer`` steps with, when all its parameter groups share one.
+
+    ``optimizer`` may be a torch optimizer, what ``self.optimizers()`` returns, or the
+    ``OptimizerInBackward`` of ``Trainer(optimizer_in_backward=True)`` (``trainer.plugin.
+    in_backward_optimizer``), whose per-parameter optimizers are read: they are what stepped.
+    """
+    from trainer_core.optimizer_in_backward import OptimizerInBackward
+
+    if isinstance(optimizer, OptimizerInBackward):
+        groups = [g for opt in optimizer.per_parameter_optimizers for g in opt.param_groups]
+    elif isinstance(optimizer, (Optimizer, LightningOptimizer)):
+        groups = optimizer.param_groups
+    else:
+        raise TypeError(
+            f"get_lr: expected an optimizer, got {type(optimizer).__name__}; pass a torch optimizer, "
+            "`self.optimizers()` or `trainer.plugin.in_backward_optimizer`."
+        )
+    lrs = sorted({float(g["lr"]) for g in groups})
+    if not lrs:
+        raise ValueError("get_lr: the optimizer has no parameter groups.")
+    if len(lrs) > 1:
+        raise ValueError(
+            f"get_lr: the parameter groups step with different learning rates {lrs}; read "
+            "`optimizer.param_groups[i]['lr']` for the group you mean."
+        )
+    return lrs[0]
+
+
 class LightningOptimizer:
     """What ``self.optimizers()`` returns: the optimizer, stepped through the plugin.
 

@@ -144,11 +144,9 @@ class Trainer:
             )
         self.gradient_clip_val = gradient_clip_val
         self.gradient_clip_algorithm = gradient_clip_algorithm
-        self.optimizer_in_backward = optimizer_in_backward
+        self.optimizer_in_backward = bool(optimizer_in_backward)
         if optimizer_in_backward:
-            raise MisconfigurationException(
-                "Trainer(optimizer_in_backward=True) is not available in this version of trainer-core yet."
-            )
+            self._check_optimizer_in_backward()
         self.inference_mode = inference_mode
         self.use_distributed_sampler = use_distributed_sampler
         self.deterministic = deterministic
@@ -224,6 +222,8 @@ class Trainer:
         self._resume_dataloader_state: Any = None
         self._resume_grads: Optional[dict[str, Any]] = None
         self._resume_sampler_seed: Optional[int] = None
+        # Samples of the epoch a checkpoint from another world size had seen (turned into a batch index).
+        self._resume_samples_done: Optional[int] = None
 
     # ------------------------------------------------------------------ entry points
     def fit(
@@ -408,6 +408,9 @@ class Trainer:
         if stage == "fit":
             self._check_optimization(module)
         self._hooks = Hooks(self, module, self.callbacks)
+        if stage == "fit" and self.optimizer_in_backward:
+            self._check_module_for_optimizer_in_backward(module)
+            self.plugin.setup_optimizer_in_backward()
         self._after_closure = self._make_after_closure(module)
         self._train_results.plugin = self.plugin
 
@@ -435,6 +438,49 @@ class Trainer:
             raise MisconfigurationException(
                 f"{type(module).__name__} does not define `training_step`; `Trainer.fit` needs it to compute the loss."
             )
+
+    def _check_optimizer_in_backward(self) -> None:
+        """Refuse, at construction, what cannot work when each parameter steps during backward."""
+        reason = self.plugin.optimizer_in_backward_unsupported
+        if reason:
+            raise MisconfigurationException(
+                f"Trainer(optimizer_in_backward=True) does not work with {type(self.plugin).__name__}: {reason}."
+            )
+        if self.accumulate_grad_batches != 1:
+            raise MisconfigurationException(
+                f"Trainer(optimizer_in_backward=True) with accumulate_grad_batches={self.accumulate_grad_batches}: "
+                "accumulation keeps gradients across batches, but stepping in backward consumes and frees each "
+                "gradient as soon as it is computed. Use one or the other (a larger batch instead of accumulation)."
+            )
+        if self.gradient_clip_val:
+            raise MisconfigurationException(
+                "Trainer(optimizer_in_backward=True) with gradient_clip_val: clipping needs the gradients of the "
+                "whole model at once (their total norm), which stepping in backward never holds. Drop "
+                "gradient_clip_val or use optimizer_in_backward=False."
+            )
+        if self.plugin.precision.scaler is not None:
+            raise MisconfigurationException(
+                f"Trainer(optimizer_in_backward=True) with precision={self.plugin.precision.name!r}: a loss "
+                "scaler must check every gradient for inf/NaN before any parameter steps. Use 'bf16-mixed' or "
+                "'32-true'."
+            )
+
+    def _check_module_for_optimizer_in_backward(self, module: LightningModule) -> None:
+        def refuse(what: str, why: str) -> MisconfigurationException:
+            return MisconfigurationException(f"Trainer(optimizer_in_backward=True): {what} {why}")
+
+        if not module.automatic_optimization:
+            raise refuse(
+                f"{type(module).__name__} uses manual optimization, which steps its optimizers in training_step;",
+                "stepping in backward steps them itself. Use automatic optimization or optimizer_in_backward=False.",
+            )
+        gradients_gone = "runs after backward, when stepping in backward has already consumed every gradient."
+        for hook in ("optimizer_step", "on_before_optimizer_step", "configure_gradient_clipping"):
+            if is_overridden(hook, module, LightningModule):
+                raise refuse(f"{type(module).__name__}.{hook}", gradients_gone)
+        for cb in self.callbacks:
+            if is_overridden("on_before_optimizer_step", cb, Callback):
+                raise refuse(f"the callback {type(cb).__name__}.on_before_optimizer_step", gradients_gone)
 
     def _make_after_closure(self, module: LightningModule) -> Optional[Callable[[Optimizer], None]]:
         """What runs between the backward and the parameter update, or ``None`` when nothing does."""
