@@ -30,6 +30,7 @@ __all__ = [
     "DistributedCheckpointIO",
     "FSDPPlugin",
     "LocalEnvironment",
+    "PipelinePlugin",
     "SLURMEnvironment",
     "SingleDevicePlugin",
     "TorchCheckpointIO",
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 # Named in DESIGN.md's public API and built by later work; importing it says so clearly.
-_PLANNED = {"PipelinePlugin"}
+_PLANNED: set[str] = set()
 
 
 def __getattr__(name: str) -> Any:
@@ -59,6 +60,10 @@ def __getattr__(name: str) -> Any:
         from trainer_core.plugins.zero import ZeroPlugin
 
         return ZeroPlugin
+    if name == "PipelinePlugin":
+        from trainer_core.plugins.pipeline import PipelinePlugin
+
+        return PipelinePlugin
     if name in _PLANNED:
         raise ImportError(
             f"trainer_core.plugins.{name} is not available in this version of trainer-core yet."

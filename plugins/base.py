@@ -216,6 +216,23 @@ class TrainingTypePlugin:
         assert self._lightning_module is not None
         return self._lightning_module.predict_step(*args, **kwargs)
 
+    def defines_step(self, name: str) -> bool:
+        """Whether the step ``name`` (``"validation_step"``, ...) runs: the module's own, unless the plugin runs it."""
+        from lightning_utilities.core.overrides import is_overridden
+
+        from trainer_core.module import LightningModule
+
+        return bool(is_overridden(name, self._lightning_module, LightningModule))
+
+    def forward_backward(self) -> Optional[Callable[[Any, int], Tensor]]:
+        """``None``: the loop calls ``training_step``, then ``backward``.
+
+        A plugin whose schedule runs the forward and the backward of a batch together (pipeline
+        parallelism interleaves them over micro-batches) returns ``(batch, batch_idx) -> loss``
+        instead; the loss it returns is detached, for reporting. Asked once per epoch.
+        """
+        return None
+
     def backward(self, loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         """``on_before_backward`` hooks, precision scaling, the module's ``backward``, ``on_after_backward``."""
         trainer = self._trainer

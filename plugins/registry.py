@@ -43,6 +43,7 @@ def _register_builtins() -> None:
     register_plugin("ddp_sharded", _sharded)
     register_plugin("zero", _zero)
     register_plugin("fsdp", _fsdp)
+    register_plugin("pipeline", _pipeline)
 
 
 def _sharded(**kwargs: Any) -> TrainingTypePlugin:
@@ -61,6 +62,12 @@ def _fsdp(**kwargs: Any) -> TrainingTypePlugin:
     from trainer_core.plugins.fsdp import FSDPPlugin
 
     return FSDPPlugin(**kwargs)
+
+
+def _pipeline(**kwargs: Any) -> TrainingTypePlugin:
+    from trainer_core.plugins.pipeline import PipelinePlugin
+
+    return PipelinePlugin(**kwargs)
 
 
 _register_builtins()

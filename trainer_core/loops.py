@@ -141,7 +141,7 @@ def run_fit(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, ckpt
         t.num_sanity_val_steps != 0
         and t.limit_val_batches != 0
         and not t._restored_mid_run
-        and is_overridden("validation_step", module, LightningModule)
+        and t.plugin.defines_step("validation_step")
     )
     if sanity:
         val_loaders = _sanity_check(t, val_dataloaders)
@@ -197,7 +197,7 @@ def _setup_val(t: Trainer, given: Any) -> list[Any]:
         return []
     loaders = resolve_dataloaders(t, "val", given)
     loaders = [dl for dl in loaders if dl is not None]
-    if loaders and not is_overridden("validation_step", t.lightning_module, LightningModule):
+    if loaders and not t.plugin.defines_step("validation_step"):
         rank_zero_warn(
             "Validation data was given but the module has no `validation_step`; validation is skipped."
         )
@@ -591,6 +591,30 @@ def _make_step(t: Trainer) -> Callable[[Any, int, bool], Any]:
             output = {"loss": loss.detach()} if extra is None else {**extra, "loss": loss.detach()}
         return loss
 
+    forward_backward = plugin.forward_backward()
+    if forward_backward is not None:
+        # The plugin runs forward and backward together (a pipeline schedule over micro-batches).
+        def closure() -> Optional[Tensor]:
+            nonlocal output
+            batch_idx = current_idx
+            if acc == 1 or batch_idx % acc == 0:
+                if zero_grad_hooks:
+                    t._run_hooks("on_before_zero_grad", zero_grad_hooks, optimizer)
+                if custom_zero_grad:
+                    t._current_fx = "optimizer_zero_grad"
+                    module.optimizer_zero_grad(t.current_epoch, batch_idx, optimizer)
+                else:
+                    optimizer.zero_grad()
+            t._current_fx = "training_step"
+            if needs_context:
+                with precision.forward_context():
+                    loss = forward_backward(current_batch, batch_idx)
+            else:
+                loss = forward_backward(current_batch, batch_idx)
+            if want_outputs:
+                output = {"loss": loss}
+            return loss
+
     t._closure = closure
 
     def automatic_step(batch: Any, batch_idx: int, is_last: bool) -> Any:
@@ -604,6 +628,8 @@ def _make_step(t: Trainer) -> Callable[[Any, int, bool], Any]:
                 if after is not None:
                     after(optimizer)
                 optimizer.step()
+            elif in_backward is not None:
+                closure()
             elif custom_step:
                 t._current_fx = "optimizer_step"
                 module.optimizer_step(t.current_epoch, batch_idx, lightning_optimizer, closure)
@@ -628,8 +654,6 @@ def _validate_in_fit(t: Trainer, val_loaders: list[Any]) -> None:
     module = t.lightning_module
     acc = t.accumulate_grad_batches
     at_boundary = acc == 1 or (t.batch_idx + 1) % acc == 0 or t._is_last_batch
-            elif in_backward is not None:
-                closure()
     if at_boundary or not module.automatic_optimization:
         # Gradients are not needed until the next step: release their memory for validation.
         t._call_module_hook("on_validation_model_zero_grad")
@@ -735,7 +759,7 @@ def run_evaluation(
         t.val_dataloaders, t.num_val_batches = (loaders[0] if len(loaders) == 1 else loaders), limits
     else:
         t.test_dataloaders, t.num_test_batches = (loaders[0] if len(loaders) == 1 else loaders), limits
-    if not is_overridden(f"{prefix}_step", t.lightning_module, LightningModule):
+    if not t.plugin.defines_step(f"{prefix}_step"):
         raise MisconfigurationException(
             f"`trainer.{stage}()` needs `{type(t.lightning_module).__name__}.{prefix}_step`; define it."
         )

@@ -434,7 +434,7 @@ class Trainer:
                     "Trainer(gradient_clip_val) does not apply under manual optimization; call "
                     "`self.clip_gradients(opt, gradient_clip_val=...)` in `training_step`."
                 )
-        if is_overridden("training_step", module, LightningModule) is False:
+        if not self.plugin.defines_step("training_step"):
             raise MisconfigurationException(
                 f"{type(module).__name__} does not define `training_step`; `Trainer.fit` needs it to compute the loss."
             )

@@ -1,0 +1,208 @@
+"""PipelinePlugin on real gloo process groups: schedules, resuming across pipeline shapes, pp x dp.
+
+Each run is ``tests/pipeline_job.py`` started the way a user starts a script. The reference is the
+same module trained by the single-device plugin ("pp 1"); the pipelined runs must report the same
+losses (to 1e-5: micro-batching changes the order of summation), the same learning rates, and
+checkpoints that load at any other pipeline degree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pipeline_job import PipeNet, data
+from torch.utils.data import DataLoader
+
+from trainer_core import Trainer
+from trainer_core.checkpoint import KEY_LR_SCHEDULERS, KEY_OPTIMIZER_STATES, KEY_STATE_DICT
+from trainer_core.errors import MisconfigurationException
+from trainer_core.plugins import PipelinePlugin
+from trainer_core.plugins.io import TorchCheckpointIO
+
+JOB = str(Path(__file__).parent / "pipeline_job.py")
+STEPS = 16  # two epochs of 8 batches, validation after each
+LOSS_TOL = 1e-5
+_LAUNCH_VARS = {
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "LOCAL_WORLD_SIZE",
+}
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def _run(out: Path, *args: str) -> list[dict[str, Any]]:
+    """Run the job; every rank's record, in rank order."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("SLURM_")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [sys.executable, JOB, "--out", str(out), *args],
+        cwd=out.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    if proc.returncode != 0:
+        pytest.fail(
+            f"job {args} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    records = sorted(out.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+    return [json.loads(p.read_text()) for p in records]
+
+
+def _assert_matches(record: dict[str, Any], reference: dict[str, Any], where: str) -> None:
+    """Losses (to 1e-5) and learning rates (exactly) of ``record``'s steps equal the reference's same steps."""
+    assert record["steps"], f"{where}: no step ran"
+    for step, loss, lr in zip(record["steps"], record["losses"], record["lrs"]):
+        expected = reference["losses"][step - 1]
+        assert abs(loss - expected) <= LOSS_TOL, f"{where}: step {step} loss {loss} vs {expected}"
+        assert lr == pytest.approx(reference["lrs"][step - 1], rel=1e-12, abs=0), f"{where}: step {step} lr"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The single-device ("pp 1") run: its record, and its checkpoint after 4 steps."""
+    out = tmp_path_factory.mktemp("pp") / "single"
+    (record,) = _run(out, "--plugin", "single_device", "--max-steps", str(STEPS), "--save-at", "4")
+    assert record["steps"] == list(range(1, STEPS + 1))
+    return {**record, "ckpt": out / "step4.ckpt"}
+
+
+@pytest.mark.parametrize(
+    ("schedule", "split", "devices", "dp", "batch_size"),
+    [
+        ("1F1B", "layers.3", 2, 1, 8),
+        # Two stages per rank: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3.
+        ("Interleaved1F1B", "layers.2,layers.3,layers.5", 2, 1, 8),
+        # pp 2 x dp 2: each replica reads half of the batch the single process reads.
+        ("GPipe", "layers.3", 4, 2, 4),
+    ],
+    ids=["1F1B-pp2", "Interleaved1F1B-pp2-4stages", "GPipe-pp2xdp2"],
+)
+def test_schedule_matches_single_process(
+    tmp_path: Path,
+    reference: dict[str, Any],
+    schedule: str,
+    split: str,
+    devices: int,
+    dp: int,
+    batch_size: int,
+) -> None:
+    records = _run(
+        tmp_path / "run",
+        *("--schedule", schedule, "--split", split, "--devices", str(devices), "--dp", str(dp)),
+        *("--batch-size", str(batch_size), "--max-steps", str(STEPS)),
+    )
+    assert len(records) == devices
+    for rank, record in enumerate(records):
+        # Every rank reports the loss, not only the last stage.
+        _assert_matches(record, reference, f"{schedule} rank {rank}")
+        assert abs(record["val_loss"] - reference["val_loss"]) <= LOSS_TOL, f"{schedule} rank {rank} val_loss"
+        # One optimizer per model part, behind one container.
+        assert record["optimizers_per_part"] == record["parts"] == len(record["stage_ids"])
+
+    stages_per_rank = len(split.split(",")) + 1 == 2 * (devices // dp)
+    if stages_per_rank:
+        assert [r["stage_ids"] for r in records] == [[0, 2], [1, 3]]
+        # Rank 0 holds layers 0-1 and 3-4; the others are not materialised there.
+        assert records[0]["materialised"] == [
+            f"layers.{i}.0.{k}" for i in (0, 1, 3, 4) for k in ("bias", "weight")
+        ]
+    else:
+        pp_ranks = [r["stage_ids"] for r in records]
+        assert pp_ranks == [[0]] * dp + [[1]] * dp
+        first, last = records[0]["materialised"], records[-1]["materialised"]
+        assert first == [f"layers.{i}.0.{k}" for i in range(3) for k in ("bias", "weight")]
+        assert "head.weight" in last and not set(first) & set(last)
+
+
+def test_resume_across_pipeline_degrees(tmp_path: Path, reference: dict[str, Any]) -> None:
+    """pp 1 -> pp 2 -> pp 4 -> pp 2 with two parts per rank -> pp 1, each leg continuing the same run."""
+    legs = [
+        ("pp2", ["--schedule", "1F1B", "--split", "layers.3", "--devices", "2"], 8),
+        ("pp4", ["--schedule", "1F1B", "--split", "layers.2,layers.4,layers.5", "--devices", "4"], 11),
+        ("pp2x2parts", ["--schedule", "Interleaved1F1B", "--split", "layers.2,layers.3,layers.5"], 13),
+        ("pp1", ["--plugin", "single_device"], STEPS),
+    ]
+    ckpt = reference["ckpt"]
+    start = 4
+    for name, args, stop in legs:
+        out = tmp_path / name
+        records = _run(out, *args, "--max-steps", str(stop), "--save-at", str(stop), "--resume", str(ckpt))
+        for rank, record in enumerate(records):
+            assert record["steps"] == list(range(start + 1, stop + 1)), f"{name} rank {rank}"
+            _assert_matches(record, reference, f"{name} rank {rank}")
+        ckpt, start = out / f"step{stop}.ckpt", stop
+        if name.startswith("pp4"):
+            _assert_same_layout(ckpt, reference["ckpt"])
+    final = records[0]
+    assert abs(final["val_loss"] - reference["val_loss"]) <= LOSS_TOL
+
+
+def _assert_same_layout(pipelined: Path, single: Path) -> None:
+    """A checkpoint written by 4 pipeline ranks looks like the single device's: names, groups, one scheduler."""
+    io = TorchCheckpointIO()
+    got, want = io.load_checkpoint(str(pipelined)), io.load_checkpoint(str(single))
+    assert list(got[KEY_STATE_DICT]) == list(want[KEY_STATE_DICT])
+    for name, tensor in want[KEY_STATE_DICT].items():
+        assert got[KEY_STATE_DICT][name].shape == tensor.shape
+    (got_opt,), (want_opt,) = got[KEY_OPTIMIZER_STATES], want[KEY_OPTIMIZER_STATES]
+    assert sorted(got_opt["state"]) == sorted(want_opt["state"])
+    assert [g["params"] for g in got_opt["param_groups"]] == [g["params"] for g in want_opt["param_groups"]]
+    assert len(got[KEY_LR_SCHEDULERS]) == len(want[KEY_LR_SCHEDULERS]) == 1
+    assert got[KEY_LR_SCHEDULERS][0]["last_epoch"] == 11
+
+
+# ---------------------------------------------------------------------- errors (in this process)
+def _fit(plugin: PipelinePlugin, model: Any) -> None:
+    trainer = Trainer(plugins=[plugin], devices=2, logger=False, enable_progress_bar=False, max_steps=1)
+    trainer.fit(model, DataLoader(data(), batch_size=8))
+
+
+def test_split_point_that_names_no_submodule() -> None:
+    with pytest.raises(MisconfigurationException) as err:
+        _fit(PipelinePlugin(split_points=["layers.9"]), PipeNet())
+    message = str(err.value)
+    assert "'layers.9' names no submodule of PipeNet" in message
+    # The module's children are listed, so the user can pick a real one.
+    assert "layers.0" in message and "layers.5" in message and "head" in message
+
+
+def test_module_without_loss_fn() -> None:
+    class NoLoss(PipeNet):
+        loss_fn = None  # type: ignore[assignment]
+
+    with pytest.raises(MisconfigurationException, match=r"NoLoss must define `loss_fn\(output, target\)`"):
+        _fit(PipelinePlugin(split_points=["layers.3"]), NoLoss())
+
+
+def test_split_points_out_of_order() -> None:
+    with pytest.raises(MisconfigurationException, match="in the order the module's forward runs them"):
+        _fit(PipelinePlugin(split_points=["layers.4", "layers.2"]), PipeNet())
+
+
+def test_bad_schedule_name() -> None:
+    with pytest.raises(MisconfigurationException, match="schedule='ZeroBubble'"):
+        PipelinePlugin(split_points=["layers.3"], schedule="ZeroBubble")
+
+
+def test_registry_and_public_import() -> None:
+    from trainer_core.plugins import plugin_from_name
+
+    plugin = plugin_from_name("pipeline", split_points=["layers.3"], schedule="GPipe")
+    assert isinstance(plugin, PipelinePlugin) and plugin.schedule_name == "GPipe"
+    assert torch.distributed.is_initialized() is False
