@@ -189,9 +189,11 @@ class ModelCheckpoint(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        every = self._every_n_train_steps
+        if not every and self._train_time_interval is None:
+            return  # saves by epoch: nothing to do per batch
         if self._skip(trainer):
             return
-        every = self._every_n_train_steps
         due = bool(every) and trainer.global_step % every == 0
         interval = self._train_time_interval
         if interval is not None:

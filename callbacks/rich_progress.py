@@ -125,9 +125,9 @@ class RichProgressBar(ProgressBar):
         task = next((t for t in self.progress.tasks if t.id == task_id), None)
         if task is not None and task.total is not None:
             self.progress.update(task_id, completed=task.total)
-        if not keep:
-            self.progress.update(task_id, visible=False)
         self._redraw(force=True)
+        if not keep:
+            self.progress.update(task_id, visible=False)  # gone at the next redraw
 
     def _stop(self) -> None:
         if self.progress is not None:
@@ -183,6 +183,7 @@ class RichProgressBar(ProgressBar):
         description = "Sanity Checking" if trainer.sanity_checking else "Validation"
         self.val_progress_bar_id = self._add_task(description, total)
         self._val_seen = 0
+        self._redraw(force=True)
 
     def on_validation_batch_end(
         self,

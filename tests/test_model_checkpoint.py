@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import fsspec
@@ -13,6 +15,7 @@ from resume_job import ResumeModule, dataloader, trainer_kwargs
 from trainer_core import Trainer, seed_everything
 from trainer_core.callbacks import ModelCheckpoint
 from trainer_core.errors import CheckpointError, MisconfigurationException
+from trainer_core.plugins.io import DistributedCheckpointIO, TorchCheckpointIO
 
 
 class ScoredModule(ResumeModule):
@@ -161,3 +164,163 @@ def test_evaluation_without_a_model_uses_the_best_checkpoint(tmp_path: Path) -> 
     assert torch.equal(trainer.lightning_module.net[0].weight, best.net[0].weight)
     with pytest.raises(CheckpointError, match="best"):
         Trainer(**trainer_kwargs()).validate(model, dataloader(), ckpt_path="best")
+
+
+# ---------------------------------------------------------------------- the options, one by one
+class SlowModule(ResumeModule):
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.01)
+        return super().training_step(batch, batch_idx)
+
+
+def test_train_time_interval_saves_by_wall_clock(tmp_path: Path) -> None:
+    seed_everything(0)
+    cb = ModelCheckpoint(dirpath=tmp_path, train_time_interval=timedelta(seconds=0.05), save_top_k=-1)
+    trainer = _fit(SlowModule(), [cb], max_epochs=2)
+    saved = sorted(tmp_path.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+    # 26 steps of at least 10 ms: several saves, each at least 50 ms after the one before.
+    assert len(saved) >= 2
+    times = [p.stat().st_mtime for p in saved]
+    assert all(b - a >= 0.04 for a, b in zip(times, times[1:])), times
+    steps = [torch.load(p, weights_only=True)["global_step"] for p in saved]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)
+    assert trainer.global_step == 26
+    with pytest.raises(MisconfigurationException, match="exclude each other"):
+        ModelCheckpoint(train_time_interval=timedelta(minutes=1), every_n_train_steps=10)
+    with pytest.raises(MisconfigurationException, match="train_time_interval=30"):
+        ModelCheckpoint(train_time_interval=30)
+
+
+@pytest.mark.parametrize("on_epoch_end, expected", [(None, {6, 12}), (True, {13})])
+def test_save_on_train_epoch_end(tmp_path: Path, on_epoch_end, expected) -> None:
+    """Validating twice per epoch saves after each validation, unless told to save at the epoch end."""
+    seed_everything(0)
+    cb = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, save_on_train_epoch_end=on_epoch_end)
+    _fit(ScoredModule(), [cb], max_epochs=1, val_check_interval=0.5)
+    assert _names(tmp_path) == {f"epoch=0-step={s}.ckpt" for s in expected}
+
+
+def test_version_counter_off_overwrites_and_on_versions_last(tmp_path: Path) -> None:
+    (tmp_path / "last.ckpt").write_bytes(b"another run's last")
+    (tmp_path / "epoch=0-step=13.ckpt").write_bytes(b"another run's epoch 0")
+    seed_everything(0)
+    cb = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=-1)
+    _fit(ResumeModule(), [cb], max_epochs=2)
+    # Versioned, never overwritten or deleted: the other run's files are untouched.
+    assert (tmp_path / "last.ckpt").read_bytes() == b"another run's last"
+    assert cb.last_model_path == str(tmp_path / "last-v1.ckpt")
+    assert torch.load(tmp_path / "last-v1.ckpt", weights_only=True)["global_step"] == 26
+    assert (tmp_path / "epoch=0-step=13.ckpt").read_bytes() == b"another run's epoch 0"
+    assert {"epoch=0-step=13-v1.ckpt", "epoch=1-step=26.ckpt"} <= _names(tmp_path)
+
+    seed_everything(0)
+    off = ModelCheckpoint(dirpath=tmp_path / "off", enable_version_counter=False, save_top_k=-1)
+    (tmp_path / "off").mkdir()
+    (tmp_path / "off" / "epoch=0-step=13.ckpt").write_bytes(b"stale")
+    _fit(ResumeModule(), [off], max_epochs=1)
+    assert torch.load(tmp_path / "off" / "epoch=0-step=13.ckpt", weights_only=True)["global_step"] == 13
+
+
+def test_auto_insert_metric_name(tmp_path: Path) -> None:
+    metrics = {"epoch": torch.tensor(3), "val/loss": torch.tensor(0.12345), "epoch_acc": torch.tensor(0.9)}
+    on = ModelCheckpoint(dirpath=tmp_path, filename="{epoch:02d}-{epoch_acc:.1f}-{val/loss:.3f}")
+    assert on.format_checkpoint_name(metrics) == str(tmp_path / "epoch=03-epoch_acc=0.9-val/loss=0.123.ckpt")
+    off = ModelCheckpoint(
+        dirpath=tmp_path, filename="e{epoch}-loss{val/loss:.2f}-{missing}", auto_insert_metric_name=False
+    )
+    assert off.format_checkpoint_name(metrics) == str(tmp_path / "e3-loss0.12-0.ckpt")
+    assert off.format_checkpoint_name(metrics, ver=2) == str(tmp_path / "e3-loss0.12-0-v2.ckpt")
+
+    seed_everything(0)
+    cb = ModelCheckpoint(
+        dirpath=tmp_path / "run",
+        filename="ep{epoch}_score{score:.1f}",
+        monitor="score",
+        auto_insert_metric_name=False,
+    )
+    _fit(ScoredModule(), [cb], max_epochs=2)
+    assert _names(tmp_path / "run") == {"ep1_score0.2.ckpt"}
+
+
+def test_save_last_link_points_at_the_newest_checkpoint(tmp_path: Path) -> None:
+    seed_everything(0)
+    cb = ModelCheckpoint(dirpath=tmp_path, monitor="score", save_top_k=1, save_last="link")
+    _fit(ScoredModule(), [cb], max_epochs=4)
+    # Epoch 3 (0.1) is the best and the newest: last.ckpt is a relative link to it, no second copy.
+    assert _names(tmp_path) == {"epoch=3-step=52.ckpt", "last.ckpt"}
+    assert os.readlink(tmp_path / "last.ckpt") == "epoch=3-step=52.ckpt"
+    assert cb.last_model_path == str(tmp_path / "last.ckpt")
+
+    # Epoch 4 (0.7) is not in the top 1: last.ckpt then holds that newest state itself.
+    seed_everything(0)
+    trainer = Trainer(
+        **trainer_kwargs(enable_checkpointing=True, max_epochs=5),
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, monitor="score", save_top_k=1, save_last="link")],
+    )
+    trainer.fit(ScoredModule(), dataloader(), dataloader(shuffle=False), ckpt_path="last")
+    assert trainer.ckpt_path == str(tmp_path / "last.ckpt")
+    assert not os.path.islink(tmp_path / "last.ckpt")
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 65
+    assert _names(tmp_path) == {"epoch=3-step=52.ckpt", "last.ckpt"}
+    with pytest.raises(MisconfigurationException, match="save_last='copy'"):
+        ModelCheckpoint(save_last="copy")
+
+
+def test_never_removes_the_checkpoint_the_run_resumed_from(tmp_path: Path) -> None:
+    seed_everything(0)
+    first = ModelCheckpoint(dirpath=tmp_path, monitor="score", save_top_k=1)
+    _fit(ScoredModule(), [first], max_epochs=1)
+    start = tmp_path / "epoch=0-step=13.ckpt"
+    assert _names(tmp_path) == {start.name}
+    second = ModelCheckpoint(dirpath=tmp_path, monitor="score", save_top_k=1)
+    trainer = Trainer(**trainer_kwargs(enable_checkpointing=True, max_epochs=2), callbacks=[second])
+    trainer.fit(ScoredModule(), dataloader(), dataloader(shuffle=False), ckpt_path=str(start))
+    # Epoch 1 (0.2) replaced epoch 0 (0.5) in the top 1, yet the file the run started from stays.
+    assert second.best_model_path == str(tmp_path / "epoch=1-step=26.ckpt")
+    assert _names(tmp_path) == {start.name, "epoch=1-step=26.ckpt"}
+
+
+@pytest.mark.timeout(120)
+def test_s3_link_version_counter_and_foreign_files(s3_url: str) -> None:
+    fs, root = fsspec.core.url_to_fs(s3_url)
+    foreign = f"{root}/epoch=0-step=13.ckpt"
+    fs.pipe(foreign, b"another run's checkpoint")
+    seed_everything(0)
+    cb = ModelCheckpoint(dirpath=s3_url, monitor="score", save_top_k=1, save_last="link")
+    _fit(ScoredModule(), [cb], max_epochs=4)
+    names = {os.path.basename(p) for p in fs.ls(root, detail=False)}
+    # The other run's object is untouched; this run's epoch 0 went to "-v1" and was replaced by epoch 1, then 3.
+    assert fs.cat(foreign) == b"another run's checkpoint"
+    assert {n for n in names if n.endswith(".ckpt")} == {
+        "epoch=0-step=13.ckpt",
+        "epoch=3-step=52.ckpt",
+        "last.ckpt",
+    }
+    # No links on an object store: last.ckpt is a server-side copy, published with its commit marker.
+    io = TorchCheckpointIO()
+    assert io.is_complete(f"{s3_url}/last.ckpt")
+    last = io.load_checkpoint(f"{s3_url}/last.ckpt")
+    assert last["global_step"] == 52
+    assert fs.size(f"{root}/last.ckpt") == fs.size(f"{root}/epoch=3-step=52.ckpt")
+    assert io.latest_complete(s3_url) == f"{s3_url}/last.ckpt"
+
+
+@pytest.mark.timeout(120)
+def test_s3_sharded_folders_and_their_last_copy(s3_url: str) -> None:
+    """Sharded (folder) checkpoints on an object store: replaced folders removed, `last` a complete copy."""
+    seed_everything(0)
+    cb = ModelCheckpoint(dirpath=s3_url, monitor="score", save_top_k=1, save_last="link")
+    trainer = Trainer(
+        **trainer_kwargs(enable_checkpointing=True, max_epochs=4),
+        plugins=[DistributedCheckpointIO()],
+        callbacks=[cb],
+    )
+    trainer.fit(ScoredModule(), dataloader(), dataloader(shuffle=False))
+    fs, root = fsspec.core.url_to_fs(s3_url)
+    assert {os.path.basename(p) for p in fs.ls(root, detail=False)} == {"epoch=3-step=52.ckpt", "last.ckpt"}
+    io = DistributedCheckpointIO()
+    assert io.is_complete(f"{s3_url}/last.ckpt") and fs.isfile(f"{root}/last.ckpt/.metadata")
+    best, last = (io.load_checkpoint(f"{s3_url}/{n}") for n in ("epoch=3-step=52.ckpt", "last.ckpt"))
+    assert last["global_step"] == best["global_step"] == 52
+    for name, value in best["state_dict"].items():
+        assert torch.equal(last["state_dict"][name], value)
