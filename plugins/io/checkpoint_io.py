@@ -16,7 +16,12 @@ How "complete" is decided depends on the storage:
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import re
+import shutil
+import stat
 import time
 from abc import ABC, abstractmethod
 from typing import Any, Optional
@@ -32,6 +37,12 @@ TEMP_INFIX = ".tmp-"
 
 _MARKER_WRITER = "trainer-core"
 
+# Exactly the temporary names our writers make: ``.<name>.tmp-<hex id>`` (files and sharded
+# folders) and ``.<name>.tmp-old-<hex id>`` (a replaced sharded folder on its way out).
+_OWN_TEMPORARY = re.compile(r"^\..+\.tmp-(?:old-)?[0-9a-f]{8,12}$")
+# A temporary this recent is never removed: its writer may not have locked it yet.
+_TEMPORARY_MIN_AGE_S = 1.0
+
 
 def commit_marker_path(path: str) -> str:
     """The commit marker's path for the checkpoint at ``path`` (a filesystem path or URL)."""
@@ -41,6 +52,59 @@ def commit_marker_path(path: str) -> str:
 def is_temporary_name(name: str) -> bool:
     """Whether ``name`` (a base name) is a writer's temporary file, never a checkpoint."""
     return name.startswith(".") and TEMP_INFIX in name
+
+
+def lock_temporary(fd: int) -> None:
+    """Mark the temporary file or folder open as ``fd`` as in use until this process closes it or dies.
+
+    An exclusive ``flock``: the kernel drops it when the writer exits, however it exits (SIGKILL
+    included), which is what tells :func:`remove_abandoned_temporaries` a temporary is abandoned.
+    """
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def remove_abandoned_temporaries(folder: str) -> list[str]:
+    """Remove the temporaries a killed writer left in local ``folder``; returns the names removed.
+
+    Only names of our own pattern (``.<name>.tmp-<hex>``) are candidates, so nobody else's files are
+    touched; of those, only the ones no live process holds locked (see :func:`lock_temporary`) and
+    older than a second (a writer locks its temporary right after creating it) are removed.
+    """
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return []
+    removed = []
+    now = time.time()
+    for entry in entries:
+        if not _OWN_TEMPORARY.match(entry.name):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        is_dir = stat.S_ISDIR(info.st_mode)
+        if not (is_dir or stat.S_ISREG(info.st_mode)) or now - info.st_mtime < _TEMPORARY_MIN_AGE_S:
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | (os.O_DIRECTORY if is_dir else 0))
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live writer holds it
+            if is_dir:
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.remove(entry.path)
+            removed.append(entry.name)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 def write_commit_marker(fs: fsspec.AbstractFileSystem, path: str, size: Optional[int]) -> None:

@@ -13,21 +13,34 @@ reads the folder as one full checkpoint (``load_checkpoint``), which is also wha
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import pickle
 import shutil
 import uuid
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
 from trainer_core import paths
 from trainer_core.checkpoint import KEY_OPTIMIZER_STATES, KEY_STATE_DICT, safe_globals, validate_checkpoint
 from trainer_core.errors import CheckpointError
 from trainer_core.paths import PathLike
-from trainer_core.plugins.io.checkpoint_io import TEMP_INFIX, CheckpointIO
+from trainer_core.plugins.io.checkpoint_io import (
+    TEMP_INFIX,
+    CheckpointIO,
+    lock_temporary,
+    remove_abandoned_temporaries,
+)
+from trainer_core.plugins.io.torch_io import _GuardedWriter
 
 METADATA_FILE = ".metadata"
 TRAINER_STATE_FILE = "trainer_state.pt"
@@ -70,16 +83,28 @@ class DistributedCheckpointIO(CheckpointIO):
         )
         sharded = {key: checkpoint[key] for key in _SHARDED_KEYS if key in checkpoint}
         rest = {key: value for key, value in checkpoint.items() if key not in _SHARDED_KEYS}
+        held: Optional[int] = None  # rank 0's lock on the local temporary folder
         try:
             if rank == 0:
                 if not local and fs.exists(f"{fs_path}/{METADATA_FILE}"):
                     fs.rm(f"{fs_path}/{METADATA_FILE}")  # the old folder is no longer complete
+                if local:
+                    # What a writer killed mid-save left here; then our own folder, locked while in use.
+                    remove_abandoned_temporaries(os.path.dirname(fs_path))
                 fs.makedirs(target, exist_ok=True)
+                if local:
+                    held = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
+                    lock_temporary(held)
                 with fs.open(f"{target}/{TRAINER_STATE_FILE}", "wb") as f:
-                    torch.save(rest, f)
+                    guarded = _GuardedWriter(f, max_piece=None)
+                    torch.save(rest, guarded)
+                    guarded.raise_error()
             _barrier()
             writer = dcp.FileSystemWriter(target) if local else _fsspec_writer(url, self._storage_options)
-            dcp.save(sharded, storage_writer=writer)
+            writer.fs = _GuardedStreams(
+                writer.fs
+            )  # a failed write raises its own error, not torch's "unexpected pos"
+            dcp.save(sharded, storage_writer=writer, no_dist=not _distributed())
             _barrier()
             if rank == 0 and local:
                 _swap_in(target, fs_path)
@@ -87,7 +112,13 @@ class DistributedCheckpointIO(CheckpointIO):
         except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
             if rank == 0 and local and os.path.isdir(target):
                 shutil.rmtree(target, ignore_errors=True)
-            raise CheckpointError(f"could not write the sharded checkpoint {url}: {err}") from err
+            raise CheckpointError(
+                f"Could not write the sharded checkpoint {url}: {_cause(err)}. Other "
+                "checkpoints are unchanged; fix the cause (space, permissions, credentials) and save again."
+            ) from err
+        finally:
+            if held is not None:
+                os.close(held)
 
     def remove_checkpoint(self, path: PathLike) -> None:
         fs, fs_path = self._resolve(path)
@@ -114,34 +145,35 @@ class DistributedCheckpointIO(CheckpointIO):
             )
         return fs, fs_path
 
+    def _reader(self, url: str) -> Any:
+        """A DCP reader of the folder ``url`` that never unpickles code and never leaves the folder."""
+        fs, fs_path = self._resolve(url)
+        if paths.is_local(fs):
+            return _SafeFileSystemReader(fs_path, display=url)
+        return _SafeFsspecReader(url, display=url, **self._storage_options)
+
     def load_trainer_state(self, path: PathLike) -> dict[str, Any]:
         """The non-tensor part of a sharded checkpoint (everything but model and optimizer tensors)."""
         fs, fs_path = self._check_complete(path)
-        try:
-            with (
-                fs.open(f"{fs_path}/{TRAINER_STATE_FILE}", "rb") as f,
-                torch.serialization.safe_globals(safe_globals()),
-            ):
-                state = torch.load(f, map_location="cpu", weights_only=True)
-        except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
-            raise CheckpointError(f"{os.fspath(path)}/{TRAINER_STATE_FILE} could not be read: {err}") from err
-        return state
+        from trainer_core.plugins.io.torch_io import TorchCheckpointIO
+
+        # The same safe, checked read as a single-file checkpoint (weights_only, clear errors).
+        return TorchCheckpointIO._torch_load(
+            fs, f"{fs_path}/{TRAINER_STATE_FILE}", f"{os.fspath(path)}/{TRAINER_STATE_FILE}", "cpu"
+        )
 
     def load_into(self, path: PathLike, template: dict[str, Any]) -> dict[str, Any]:
         """Fill ``template`` (this run's own shards) from the folder, resharding as needed; a collective."""
 
         checkpoint = self.load_trainer_state(path)
         url = os.fspath(path)
-        fs, fs_path = self._resolve(url)
-        reader = (
-            dcp.FileSystemReader(fs_path)
-            if paths.is_local(fs)
-            else _fsspec_reader(url, self._storage_options)
-        )
+        reader = self._reader(url)
         try:
-            dcp.load(template, storage_reader=reader)
+            dcp.load(template, storage_reader=reader, planner=_SafeLoadPlanner())
+        except CheckpointError:
+            raise
         except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
-            raise CheckpointError(f"{url}: its shards could not be loaded: {err}") from err
+            raise _shard_error(url, err) from err
         checkpoint.update(template)
         validate_checkpoint(checkpoint, url)
         return checkpoint
@@ -157,26 +189,18 @@ class DistributedCheckpointIO(CheckpointIO):
             from trainer_core.plugins.io.torch_io import TorchCheckpointIO
 
             return TorchCheckpointIO(self._storage_options).load_checkpoint(path, map_location)
-        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
         checkpoint = self.load_trainer_state(path)
         url = os.fspath(path)
-        fs, fs_path = self._resolve(url)
-        reader = (
-            dcp.FileSystemReader(fs_path)
-            if paths.is_local(fs)
-            else _fsspec_reader(url, self._storage_options)
-        )
+        reader = self._reader(url)
         tensors: dict[str, Any] = {}
         try:
-            _load_state_dict(
-                tensors, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True
-            )
+            _load_state_dict(tensors, storage_reader=reader, planner=_SafeEmptyLoadPlanner(), no_dist=True)
+        except CheckpointError:
+            raise
         except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
-            raise CheckpointError(
-                f"{url}: its shards could not be read (a shard missing or truncated?): {err}"
-            ) from err
+            raise _shard_error(url, err) from err
         checkpoint.update(tensors)
         if KEY_OPTIMIZER_STATES in checkpoint:
             checkpoint[KEY_OPTIMIZER_STATES] = _as_list(checkpoint[KEY_OPTIMIZER_STATES])
@@ -184,6 +208,209 @@ class DistributedCheckpointIO(CheckpointIO):
             checkpoint = _map(checkpoint, map_location)
         validate_checkpoint(checkpoint, url)
         return checkpoint
+
+
+# ------------------------------------------------------------------ safe reading of DCP folders
+# torch's DCP readers unpickle ``.metadata`` with plain ``pickle.load`` and every non-tensor entry
+# with ``torch.load(weights_only=False)``: a crafted folder would run code when loaded. These
+# readers and planners allow only the classes DCP's metadata is made of, load non-tensor entries
+# with ``weights_only=True``, and refuse shard names that point outside the folder.
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_ALLOWED_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("pathlib", "Path"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, display: str) -> None:
+        super().__init__(file)
+        self._display = display
+
+    def find_class(self, module: str, name: str) -> Any:
+        import dataclasses
+        import enum
+        import importlib
+
+        allowed = (module, name) in _ALLOWED_METADATA_GLOBALS
+        if module == _METADATA_MODULE:
+            value = getattr(importlib.import_module(module), name, None)
+            allowed = isinstance(value, type) and (
+                dataclasses.is_dataclass(value) or issubclass(value, enum.Enum)
+            )
+        elif module == "torch":
+            allowed = allowed or isinstance(
+                getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+            )
+        if not allowed:
+            raise CheckpointError(
+                f"Refused to load {self._display}: its {METADATA_FILE} asks to call or construct {module}.{name} "
+                "while loading, and trainer-core never runs code from a checkpoint. Delete the folder unless "
+                "you know where it came from."
+            )
+        return super().find_class(module, name)
+
+
+def _is_plain_file_name(name: Any) -> bool:
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+    )
+
+
+class _SafeMetadataReading:
+    """``read_metadata`` without running code, and only shard names inside the folder."""
+
+    _display: str
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
+        try:
+            with self.fs.create_stream(path, "rb") as file:  # type: ignore[attr-defined]
+                metadata = _MetadataUnpickler(file, self._display).load()
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointError(
+                f"Could not read {self._display}/{METADATA_FILE}: it is truncated or corrupt "
+                f"({type(err).__name__}: {err}). Use another checkpoint."
+            ) from err
+        outside = [
+            getattr(info, "relative_path", None)
+            for info in (getattr(metadata, "storage_data", None) or {}).values()
+            if not _is_plain_file_name(getattr(info, "relative_path", None))
+        ]
+        if outside:
+            raise CheckpointError(
+                f"Refused to load {self._display}: its {METADATA_FILE} names shard files outside the folder "
+                f"({', '.join(map(repr, outside[:3]))}); a checkpoint's own contents never choose what is opened. "
+                "Delete the folder unless you know where it came from."
+            )
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[attr-defined]
+        return metadata
+
+
+class _SafeFileSystemReader(_SafeMetadataReading, dcp.FileSystemReader):
+    def __init__(self, path: str, display: str) -> None:
+        super().__init__(path)
+        self._display = display
+
+
+class _SafeFsspecReader(_SafeMetadataReading, FsspecReader):
+    def __init__(self, path: str, display: str, **storage_options: Any) -> None:
+        super().__init__(path, **storage_options)
+        self._display = display
+
+
+def _load_bytes_safely(value: io.BytesIO) -> Any:
+    """A non-tensor entry of a shard, without running code (DCP itself uses ``weights_only=False``)."""
+    with torch.serialization.safe_globals([*safe_globals(), io.BytesIO]):
+        try:
+            return torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise CheckpointError(
+                "Refused to load a sharded checkpoint: one of its entries asks to run code while loading "
+                f"({str(err).splitlines()[-1] if str(err) else 'unpickling refused'}); trainer-core never runs "
+                "code from a checkpoint."
+            ) from None
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        loaded = _load_bytes_safely(value)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+class _SafeEmptyLoadPlanner(_EmptyStateDictLoadPlanner, _SafeLoadPlanner):
+    pass
+
+
+class _GuardedStreams:
+    """A DCP filesystem whose write streams keep the first write error and raise it once DCP is done.
+
+    ``torch.save`` inside DCP turns an error raised by ``write`` (disk full, connection reset) into
+    an unrelated ``RuntimeError("unexpected pos ...")``; the guard hands back the real cause.
+    """
+
+    def __init__(self, fs: Any) -> None:
+        self._fs = fs
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with self._fs.create_stream(path, mode) as stream:
+            if not any(ch in mode for ch in "wa+"):
+                yield stream
+                return
+            guarded = _GuardedStream(stream)
+            yield guarded
+            guarded.raise_error()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+
+class _GuardedStream(_GuardedWriter):
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream, max_piece=None)
+
+    def __getattr__(self, name: str) -> Any:  # tell, fileno, ...
+        return getattr(self._file, name)
+
+
+def _cause(err: BaseException) -> str:
+    """``Type: message`` of what went wrong, without DCP's wall of per-rank tracebacks."""
+    if isinstance(err, dcp.CheckpointException):
+        causes = []
+        for rank, failure in sorted(err.failures.items()):
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            causes.append(f"rank {rank}: {type(inner).__name__}: {inner}")
+        return "; ".join(causes) or "DCP failed"
+    return f"{type(err).__name__}: {err}"
+
+
+def _refusal(err: BaseException) -> Optional[CheckpointError]:
+    """A :class:`CheckpointError` raised inside DCP (our safe readers' refusals), if that is the cause."""
+    seen: set[int] = set()
+    stack: list[Optional[BaseException]] = [err]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, CheckpointError):
+            return current
+        if isinstance(current, dcp.CheckpointException):
+            stack.extend(f[0] if isinstance(f, tuple) else f for f in current.failures.values())
+        stack.extend([current.__cause__, current.__context__])
+    return None
+
+
+def _shard_error(url: str, err: BaseException) -> CheckpointError:
+    """One clear error for a folder whose shards cannot be read; a refusal inside DCP keeps its words."""
+    refusal = _refusal(err)
+    if refusal is not None:
+        return refusal
+    return CheckpointError(
+        f"Could not read the sharded checkpoint {url}: a shard is missing, truncated or does not match its "
+        f"{METADATA_FILE} ({_cause(err)}). Use another checkpoint."
+    )
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -212,6 +439,10 @@ def _agree(value: str) -> str:
     return holder[0]
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
@@ -232,9 +463,3 @@ def _fsspec_writer(url: str, storage_options: dict[str, Any]) -> Any:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     return FsspecWriter(url, **storage_options)
-
-
-def _fsspec_reader(url: str, storage_options: dict[str, Any]) -> Any:
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    return FsspecReader(url, **storage_options)

@@ -1,0 +1,140 @@
+"""Part 2 of the reliability suite: storage that fails mid-save or returns short reads.
+
+The storage is ``faulty://`` (tests/faulty_fs.py): real files on local disk behind an object
+store's interface, failing on request. For each kind of save (one file, a sharded DCP folder, a
+background write) every failing save must raise one clear ``CheckpointError`` naming the path and
+leave the previous checkpoint loadable and still picked by ``ckpt_path="last"``; every failing load
+must raise one and leave the model and optimizer exactly as they were.
+
+Local-disk faults are covered in tests/test_checkpoint_io.py (a real EFBIG in the middle of a write,
+an unpicklable value, an S3 upload cut off at 12 MB).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import faulty_fs
+import pytest
+import torch
+from kill_job import Wide, loader
+
+from trainer_core import Trainer, seed_everything
+from trainer_core.errors import CheckpointError
+from trainer_core.plugins.io import AsyncCheckpointIO, DistributedCheckpointIO, TorchCheckpointIO
+
+faulty_fs.register()
+
+SAVE_FAULTS = {
+    "write_fails_after_64KiB": {"fail_write_after": 64 * 1024},
+    "write_fails_at_first_byte": {"fail_write_after": 0},
+    "publish_fails": {"fail_commit": True},
+    "rename_fails": {"fail_rename": True},
+}
+# What each IO must say: the path, the cause, and that nothing else changed.
+CAUSE = {
+    "write_fails_after_64KiB": "No space left on device",
+    "write_fails_at_first_byte": "No space left on device",
+    "publish_fails": "refused to publish",
+    "rename_fails": "refused the rename",
+}
+
+
+def _io(kind: str, faults: dict[str, Any]) -> Any:
+    if kind == "monolithic":
+        return TorchCheckpointIO(storage_options=faults)
+    if kind == "sharded":
+        return DistributedCheckpointIO(storage_options=faults)
+    return AsyncCheckpointIO(TorchCheckpointIO(storage_options=faults))
+
+
+def _trained(io: Any, steps: int = 3) -> tuple[Trainer, Wide]:
+    seed_everything(0, verbose=False)
+    model = Wide()
+    trainer = Trainer(
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[io],
+    )
+    trainer.fit(model, loader())
+    return trainer, model
+
+
+def _save(trainer: Trainer, url: str) -> None:
+    trainer.save_checkpoint(url)
+    wait = getattr(trainer.plugin.checkpoint_io, "wait", None)
+    if wait is not None:
+        wait()  # a background write's error surfaces here (or at the next save / the end of fit)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("fault", sorted(SAVE_FAULTS))
+@pytest.mark.parametrize("kind", ["monolithic", "sharded", "async"])
+def test_failed_save_raises_and_keeps_the_previous_checkpoint(kind: str, fault: str, tmp_path: Path) -> None:
+    if fault == "rename_fails" and kind != "sharded":
+        pytest.skip("a single-file save on an object store publishes by commit, not by rename")
+    if fault == "publish_fails" and kind == "sharded":
+        pytest.skip("DCP publishes a sharded folder by renaming its .metadata, covered by rename_fails")
+    folder = f"faulty://{tmp_path}/ckpts"
+    trainer, model = _trained(_io(kind, {}))
+    _save(trainer, f"{folder}/epoch=0-step=3.ckpt")
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+
+    # Train on, then save the newer state through storage that fails.
+    trainer.plugin.checkpoint_io = _io(kind, SAVE_FAULTS[fault])
+    trainer.fit_loop_max_steps = None
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    newer = f"{folder}/epoch=0-step=6.ckpt"
+    with pytest.raises(CheckpointError, match=re.escape("step=6.ckpt") + ".*" + CAUSE[fault]) as error:
+        _save(trainer, newer)
+    assert "Traceback" not in str(error.value)
+
+    clean = _io(kind, {})
+    assert clean.list_complete(folder) == [f"{folder}/epoch=0-step=3.ckpt"]  # the failed one is never picked
+    previous = clean.load_checkpoint(clean.latest_complete(folder))
+    for name, tensor in saved.items():
+        assert torch.equal(previous["state_dict"][name], tensor), name
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("kind", ["monolithic", "sharded"])
+def test_short_reads_fail_the_load_and_leave_the_model_untouched(kind: str, tmp_path: Path) -> None:
+    url = f"faulty://{tmp_path}/ckpts/last.ckpt"
+    trainer, _ = _trained(_io(kind, {}), steps=4)
+    _save(trainer, url)
+
+    seed_everything(1, verbose=False)
+    fresh = Wide()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    resumed = Trainer(
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[_io(kind, {"short_reads": True})],
+    )
+    with pytest.raises(CheckpointError, match=re.escape(url) + ".*fewer bytes than asked for"):
+        resumed.fit(fresh, loader(), ckpt_path=url)
+    assert resumed.global_step == 0
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+    # The file itself was fine: read without the fault, it resumes.
+    _io(kind, {}).load_checkpoint(url)
+
+
+def test_a_partial_upload_is_never_visible(tmp_path: Path) -> None:
+    """A write that fails leaves no object, no marker and no staging file a reader could see."""
+    trainer, _ = _trained(_io("monolithic", {}))
+    folder = f"faulty://{tmp_path}/ckpts"
+    trainer.plugin.checkpoint_io = _io("monolithic", {"fail_write_after": 100_000})
+    with pytest.raises(CheckpointError):
+        _save(trainer, f"{folder}/a.ckpt")
+    ckpts = tmp_path / "ckpts"
+    assert not ckpts.exists() or sorted(p.name for p in ckpts.iterdir()) == []
