@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from trainer_core.callbacks import (
     GradientAccumulationScheduler,
     LearningRateMonitor,
     ModelCheckpoint,
+    Timer,
 )
 from trainer_core.loggers import CSVLogger
 from trainer_core.plugins import FSDPPlugin
@@ -73,16 +76,72 @@ def data(n: int = 64) -> TensorDataset:
     return TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g))
 
 
+class SlowModel(Model):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        time.sleep(STEP_SECONDS)
+        return super().training_step(batch, batch_idx)
+
+
+class StartLate(Callback):
+    """Rank 0 starts its clock DELAY seconds after rank 1 (the ranks then run in lockstep)."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        if trainer.global_rank == 0:
+            time.sleep(DELAY)
+
+
+STEP_SECONDS = 0.02
+DELAY = 0.5
+DURATION = 0.9
+
+
+def timer_run(out: Path) -> None:
+    """Timer under DDP: rank 1's clock is DELAY ahead; both ranks must stop at the same step."""
+    from trainer_core.callbacks import RichProgressBar
+
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    bar_file = open(out / f"bar.rank{rank}.txt", "w")
+    timer = Timer(duration=timedelta(seconds=DURATION))
+    trainer = Trainer(
+        plugins="ddp",
+        devices=2,
+        max_epochs=100,
+        logger=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=1,
+        callbacks=[
+            RichProgressBar(console_kwargs={"file": bar_file, "force_terminal": True, "width": 120}),
+            StartLate(),
+            timer,
+            ModelCheckpoint(dirpath=str(out / "ckpts"), save_last=True),
+        ],
+    )
+    trainer.fit(SlowModel(), DataLoader(data(), batch_size=4), DataLoader(data(8), batch_size=4))
+    bar_file.close()
+    result = {
+        "rank": trainer.global_rank,
+        "global_step": trainer.global_step,
+        "elapsed": timer.time_elapsed("train"),
+    }
+    with open(out / f"timer.rank{trainer.global_rank}.json", "w") as f:
+        json.dump(result, f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--max-epochs", type=int, default=6)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--timer", action="store_true", help="the Timer run instead")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     seed_everything(0, verbose=False)
+    if args.timer:
+        timer_run(out)
+        return
     early = EarlyStopping(monitor="rank_score", patience=2, mode="min")
     checkpoint = ModelCheckpoint(
         dirpath=str(out / "ckpts"), monitor="val_score", save_top_k=2, save_last="link"

@@ -98,3 +98,21 @@ def test_callbacks_agree_across_two_ranks_and_resume(tmp_path: Path) -> None:
         "epoch=3-step=20.ckpt",
         "last.ckpt",
     ]
+
+
+@pytest.mark.timeout(200)
+def test_timer_stops_both_ranks_together_and_rich_draws_on_rank_zero_only(tmp_path: Path) -> None:
+    """Rank 1's clock runs 0.5 s ahead of rank 0's: it runs out of time first and both ranks stop."""
+    _run(tmp_path, "--out", "out", "--timer")
+    out = tmp_path / "out"
+    seen = [json.loads((out / f"timer.rank{r}.json").read_text()) for r in (0, 1)]
+    assert seen[0]["global_step"] == seen[1]["global_step"] > 0
+    # Rank 1 spent its 0.9 s; rank 0, alone, would have gone on (and waited for rank 1 forever).
+    assert seen[1]["elapsed"] >= 0.9 > seen[0]["elapsed"]
+    # The stop ended the epoch properly: ModelCheckpoint saved the state reached.
+    step = seen[0]["global_step"]
+    assert (out / "ckpts" / "last.ckpt").is_file()
+    assert any(p.name.endswith(f"step={step}.ckpt") for p in (out / "ckpts").iterdir())
+    bar = (out / "bar.rank0.txt").read_text()
+    assert "Epoch 0" in bar and "8/8" in bar
+    assert (out / "bar.rank1.txt").read_text() == ""
