@@ -173,7 +173,7 @@ class DistributedCheckpointIO(CheckpointIO):
         except CheckpointError:
             raise
         except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
-            raise _shard_error(url, err) from err
+            raise (reader.refusal or _shard_error(url, err)) from err
         checkpoint.update(template)
         validate_checkpoint(checkpoint, url)
         return checkpoint
@@ -200,7 +200,7 @@ class DistributedCheckpointIO(CheckpointIO):
         except CheckpointError:
             raise
         except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
-            raise _shard_error(url, err) from err
+            raise (reader.refusal or _shard_error(url, err)) from err
         checkpoint.update(tensors)
         if KEY_OPTIMIZER_STATES in checkpoint:
             checkpoint[KEY_OPTIMIZER_STATES] = _as_list(checkpoint[KEY_OPTIMIZER_STATES])
@@ -272,6 +272,8 @@ class _SafeMetadataReading:
     """``read_metadata`` without running code, and only shard names inside the folder."""
 
     _display: str
+    #: The refusal raised while reading, kept because DCP reports it only as text inside its own error.
+    refusal: Optional[CheckpointError] = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -280,24 +282,30 @@ class _SafeMetadataReading:
         try:
             with self.fs.create_stream(path, "rb") as file:  # type: ignore[attr-defined]
                 metadata = _MetadataUnpickler(file, self._display).load()
-        except CheckpointError:
+        except CheckpointError as err:
+            self.refusal = err
             raise
+        except FileNotFoundError:
+            raise  # DCP also looks for per-rank metadata files that need not exist
         except Exception as err:
             raise CheckpointError(
                 f"Could not read {self._display}/{METADATA_FILE}: it is truncated or corrupt "
                 f"({type(err).__name__}: {err}). Use another checkpoint."
             ) from err
-        outside = [
-            getattr(info, "relative_path", None)
-            for info in (getattr(metadata, "storage_data", None) or {}).values()
-            if not _is_plain_file_name(getattr(info, "relative_path", None))
-        ]
+        outside = sorted(
+            {
+                repr(getattr(info, "relative_path", None))
+                for info in (getattr(metadata, "storage_data", None) or {}).values()
+                if not _is_plain_file_name(getattr(info, "relative_path", None))
+            }
+        )
         if outside:
-            raise CheckpointError(
+            self.refusal = CheckpointError(
                 f"Refused to load {self._display}: its {METADATA_FILE} names shard files outside the folder "
-                f"({', '.join(map(repr, outside[:3]))}); a checkpoint's own contents never choose what is opened. "
+                f"({', '.join(outside[:3])}); a checkpoint's own contents never choose what is opened. "
                 "Delete the folder unless you know where it came from."
             )
+            raise self.refusal
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # type: ignore[attr-defined]

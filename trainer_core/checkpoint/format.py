@@ -154,6 +154,30 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
+def _dtype_kind(value: Any) -> str | None:
+    """``"floating"``, ``"complex"``, ``"bool"`` or ``"integer"``: copying across kinds loses values.
+
+    Across floating dtypes (a float32 checkpoint into a bf16 model) the copy converts, as a run with
+    another precision setting must; from floating into integer it would silently truncate.
+    """
+    if not isinstance(value, torch.Tensor):
+        return None
+    if value.is_floating_point():
+        return "floating"
+    if value.is_complex():
+        return "complex"
+    return "bool" if value.dtype == torch.bool else "integer"
+
+
+def _has_nan(value: Any) -> bool:
+    # Only plain tensors: a DTensor's check would be a collective; NaN, not inf (masks hold -inf).
+    return (
+        type(value) in (torch.Tensor, torch.nn.Parameter)
+        and value.is_floating_point()
+        and bool(torch.isnan(value).any())
+    )
+
+
 def check_state_dict_matches(
     expected: Mapping[str, Any], loaded: Mapping[str, Any], path: str, strict: bool = True
 ) -> None:
@@ -167,10 +191,14 @@ def check_state_dict_matches(
     missing = sorted(name for name in expected if name not in loaded)
     unexpected = sorted(name for name in loaded if name not in expected)
     mismatched = []
+    wrong_kind = []
     for name in sorted(set(expected) & set(loaded)):
         model_shape, ckpt_shape = _shape(expected[name]), _shape(loaded[name])
         if model_shape is not None and ckpt_shape is not None and model_shape != ckpt_shape:
             mismatched.append(f"{name}: checkpoint {ckpt_shape} vs model {model_shape}")
+        model_kind, ckpt_kind = _dtype_kind(expected[name]), _dtype_kind(loaded[name])
+        if model_kind is not None and ckpt_kind is not None and model_kind != ckpt_kind:
+            wrong_kind.append(f"{name}: checkpoint {loaded[name].dtype} vs model {expected[name].dtype}")
     problems = []
     if strict and missing:
         problems.append(f"missing in the checkpoint ({len(missing)}): {_listing(missing)}")
@@ -178,11 +206,20 @@ def check_state_dict_matches(
         problems.append(f"unexpected in the checkpoint ({len(unexpected)}): {_listing(unexpected)}")
     if mismatched:
         problems.append(f"shape mismatch ({len(mismatched)}): {_listing(mismatched)}")
+    if wrong_kind:
+        problems.append(f"dtype mismatch ({len(wrong_kind)}): {_listing(wrong_kind)}")
     if problems:
         hint = "Load a checkpoint of this model, or change the model to match"
-        if strict and not mismatched:
+        if strict and not mismatched and not wrong_kind:
             hint += "; pass strict=False to load only the names both have"
         raise CheckpointError(f"{path} does not match the model:\n  " + "\n  ".join(problems) + f"\n{hint}.")
+    with_nan = sorted(name for name in set(expected) & set(loaded) if _has_nan(loaded[name]))
+    if with_nan:
+        raise CheckpointError(
+            f"{path} holds NaN weights ({len(with_nan)}): {_listing(with_nan)}. It was saved after training "
+            "diverged; resume from an earlier checkpoint of the run (and lower the learning rate or clip "
+            "gradients)."
+        )
 
 
 # ---------------------------------------------------------------------- byte payloads
