@@ -432,6 +432,14 @@ class PipelinePlugin(DDPPlugin):
             p.grad.detach().mul_(coef.to(p.grad.dtype))
 
     # ------------------------------------------------------------------ state
+    @property
+    def _sharded(self) -> bool:
+        """Whether checkpoints are folders every rank writes its own parts into (``DistributedCheckpointIO``)."""
+        from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
+
+        io = getattr(self.checkpoint_io, "checkpoint_io", self.checkpoint_io)  # through AsyncCheckpointIO
+        return isinstance(io, DistributedCheckpointIO)
+
     def _is_held(self, name: str) -> bool:
         return any(
             not prefix or name == prefix or name.startswith(prefix + ".") for prefix in self._held_prefixes
@@ -443,9 +451,14 @@ class PipelinePlugin(DDPPlugin):
         return {k: v for k, v in module.state_dict().items() if self._is_held(k)}
 
     def _gather_to_first(self, local: Any) -> Optional[list[Any]]:
-        """``local`` of every pipeline rank of data-parallel replica 0, on global rank 0; ``None`` elsewhere."""
+        """``local`` of every pipeline rank of data-parallel replica 0, on global rank 0; ``None`` elsewhere.
+
+        Sharded checkpoints gather nothing: every rank writes its own parts.
+        """
         if self.pp_degree == 1:
             return [local]
+        if self._sharded:
+            return None
         if self.dp_rank != 0:
             return None
         gathered: Optional[list[Any]] = [None] * self.pp_degree if self.pp_rank == 0 else None
@@ -503,9 +516,21 @@ class PipelinePlugin(DDPPlugin):
             for sid, opt in zip(self._stage_ids, parts)
         ]
         gathered = self._gather_to_first(local)
-        if gathered is None:
-            return _merge_parts(local)
-        return _merge_parts([entry for rank_parts in gathered for entry in rank_parts])
+        if gathered is not None:
+            return _merge_parts([entry for rank_parts in gathered for entry in rank_parts])
+        merged = _merge_parts(local)
+        if self._sharded and self.pp_degree > 1:
+            # Every rank writes the same param groups, naming every stage's parameters (DCP keeps
+            # one copy of what all ranks write under one key); the tensors stay each rank's own.
+            groups = [None] * self.pp_degree
+            dist.all_gather_object(
+                groups,
+                [(sid, {"param_groups": g["param_groups"]}) for sid, g in local if g],
+                group=self._pp_group,
+            )
+            every = _merge_parts([entry for rank_groups in groups for entry in rank_groups])  # type: ignore[union-attr]
+            merged = {"state": merged.get("state", {}), "param_groups": every.get("param_groups", [])}
+        return merged
 
     def prepare_optimizer_state(self, optimizer: Optimizer, named_state: dict[str, Any], path: str) -> Any:
         """Check the name-keyed state against the whole module, then give each part its own parameters' state."""
@@ -544,6 +569,50 @@ class PipelinePlugin(DDPPlugin):
     def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
         if state_dict:
             optimizer.load_state_dict(state_dict)
+
+    # ------------------------------------------------------------------ checkpoint files
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str, storage_options: Optional[Any] = None
+    ) -> None:
+        if self._sharded:
+            # A collective: every rank writes the tensors of its own parts.
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        else:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, filepath: str) -> dict[str, Any]:
+        """A sharded folder: each rank reads only the tensors of the layers it holds; a file: whole."""
+        from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO, is_sharded_checkpoint
+
+        if not (dist.is_initialized() and is_sharded_checkpoint(filepath)):
+            return super().load_checkpoint(filepath)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        module = self._lightning_module
+        assert module is not None
+        template: dict[str, Any] = {"state_dict": self._local_state_dict()}
+        if self.optimizers:
+            options = StateDictOptions(full_state_dict=False)
+            state: dict[str, Any] = {}
+            for part, opt in zip(self._parts, self.optimizers[0]):  # type: ignore[call-overload]
+                # Creates the state tensors (lazily built by most optimizers) for DCP to fill.
+                state.update(get_optimizer_state_dict(part, opt, options=options)["state"])
+            # The groups' layout (DCP stores each entry under its own key); the values come from the file.
+            groups = self.named_optimizer_state(self.optimizers[0]).get("param_groups", [])
+            template["optimizer_states"] = [{"state": state, "param_groups": groups}]
+        io = getattr(self.checkpoint_io, "checkpoint_io", self.checkpoint_io)
+        if not isinstance(io, DistributedCheckpointIO):
+            io = DistributedCheckpointIO()
+        checkpoint = io.load_into(filepath, template)
+        # The layers of other ranks stand in with their names, shapes and dtypes for the checks, and
+        # no memory (a zero expanded); loading takes only this rank's own.
+        others = {
+            k: torch.zeros((), dtype=v.dtype).expand(v.shape) if isinstance(v, Tensor) else v
+            for k, v in module.state_dict().items()
+            if not self._is_held(k)
+        }
+        checkpoint["state_dict"] = {**others, **checkpoint["state_dict"]}
+        return checkpoint
 
 
 # ---------------------------------------------------------------------- splitting

@@ -138,11 +138,11 @@ def main() -> None:
                 data_parallel_size=args.dp,
             )
         ]
-        if args.sharded:
-            from trainer_core.plugins import DistributedCheckpointIO
-
-            plugins.append(DistributedCheckpointIO())
         devices = args.devices
+    if args.sharded:
+        from trainer_core.plugins import DistributedCheckpointIO
+
+        plugins.append(DistributedCheckpointIO())
     save_at = [int(s) for s in args.save_at.split(",") if s]
     trainer = Trainer(
         plugins=plugins,
