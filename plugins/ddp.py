@@ -192,6 +192,13 @@ class DDPPlugin(TrainingTypePlugin):
     def on_exception(self, exception: BaseException) -> None:
         global _RUN_FAILED
         _RUN_FAILED = True
+        if self.world_size > 1 and _is_peer_failure(exception):
+            # gloo/nccl say only "Timed out waiting 15000ms for recv" or "Connection closed by peer".
+            exception.add_note(
+                f"[trainer-core] rank {self.global_rank}: a collective with the other ranks failed "
+                f"(DDPPlugin timeout={self.timeout}). Another rank has died or is hung: its own output says "
+                "which and why. Raise `timeout` only if a rank legitimately needs longer (a long rank-0 save)."
+            )
 
     def teardown(self) -> None:
         super().teardown()
@@ -267,6 +274,17 @@ class DDPPlugin(TrainingTypePlugin):
 
 # Set when this process's run failed: its peers may be gone or blocked, so exit must not wait for them.
 _RUN_FAILED = False
+
+
+def _is_peer_failure(exception: BaseException) -> bool:
+    """Whether ``exception`` says a collective timed out or lost its connection to another rank."""
+    if isinstance(exception, getattr(dist, "DistBackendError", ())) or isinstance(exception, RuntimeError):
+        text = str(exception).lower()
+        return any(
+            words in text
+            for words in ("timed out", "timeout", "connection closed by peer", "connection reset by peer")
+        )
+    return False
 
 
 def _prepare_for_backward(model: DistributedDataParallel, loss: Tensor) -> None:
