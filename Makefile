@@ -22,7 +22,7 @@ test: $(VENV)/.installed-test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Every benchmark, each side by side with its baselines; BENCH_ARGS=--quick for a short run.
-BENCHMARKS ?= overhead checkpoint ddp consolidate fsdp_checkpoint optimizer_in_backward
+BENCHMARKS ?= overhead checkpoint ddp consolidate fsdp_checkpoint optimizer_in_backward pipeline
 bench: $(VENV)/.installed-bench
 	set -e; for b in $(BENCHMARKS); do $(PY) benchmarks/$$b.py $(BENCH_ARGS); done
 
