@@ -27,6 +27,7 @@ class _Bar(_tqdm):
         self, *args: Any, metrics: Optional[Callable[[], dict[str, Any]]] = None, **kwargs: Any
     ) -> None:
         self._metrics_fn = metrics
+        self.seen = 0  # batches done, drawn or not
         super().__init__(*args, **kwargs)
 
     @property
@@ -237,10 +238,13 @@ class TQDMProgressBar(ProgressBar):
         self.test_progress_bar = self._close(self.test_progress_bar)
         self.predict_progress_bar = self._close(self.predict_progress_bar)
 
-    @staticmethod
-    def _advance(bar: Optional[_Bar]) -> None:
-        if bar is not None:
-            bar.update(1)
+    def _advance(self, bar: Optional[_Bar]) -> None:
+        """One more batch: drawn every ``refresh_rate`` batches and at the last one (Lightning's rule)."""
+        if bar is None:
+            return
+        bar.seen += 1
+        if bar.seen % self.refresh_rate == 0 or bar.seen == bar.total:
+            bar.update(bar.seen - bar.n)
 
     @staticmethod
     def _close(bar: Optional[_Bar]) -> None:

@@ -85,11 +85,11 @@ def test_tqdm_refresh_rate_counts_and_validation_bar() -> None:
     assert trainer.progress_bar_callback is bar
     # Updated every 5 batches and at the last one.
     assert probe.train_counts == [0, 0, 0, 0, 5, 5, 5, 5, 5, 10, 10, 10, 13]
-    # A sanity-check bar of 1 batch, then the epoch's validation bar of 3 batches.
+    # A sanity-check bar of 1 batch, then the epoch's validation bar of 3 batches, drawn at its last.
     assert probe.val_counts == [
         ("Sanity Checking", 1, 1),
-        ("Validation", 1, 3),
-        ("Validation", 2, 3),
+        ("Validation", 0, 3),
+        ("Validation", 0, 3),
         ("Validation", 3, 3),
     ]
     text = out.getvalue()
@@ -99,6 +99,14 @@ def test_tqdm_refresh_rate_counts_and_validation_bar() -> None:
     assert f"train_loss={trainer.progress_bar_metrics['train_loss']:.3g}" in final
     assert f"val_loss={trainer.progress_bar_metrics['val_loss']:.3g}" in final
     assert "hidden_metric" not in text
+
+
+def test_tqdm_validation_bar_counts_every_batch_at_refresh_rate_one() -> None:
+    bar = TQDMProgressBar(refresh_rate=1, file=io.StringIO())
+    probe = Probe(bar)
+    _fit(bar, probe, num_sanity_val_steps=0)
+    assert probe.train_counts == list(range(1, BATCHES + 1))
+    assert probe.val_counts == [("Validation", n, 3) for n in (1, 2, 3)]
 
 
 def test_tqdm_refresh_rate_zero_draws_nothing() -> None:
