@@ -116,6 +116,8 @@ def main() -> None:
     parser.add_argument("--save-at", default="", help="comma-separated global steps to save a checkpoint at")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--sharded", action="store_true", help="DistributedCheckpointIO")
+    parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val (by norm)")
+    parser.add_argument("--accumulate", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out).resolve()
@@ -153,6 +155,8 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        gradient_clip_val=args.clip,
+        accumulate_grad_batches=args.accumulate,
         callbacks=[Record(out, save_at)],
         default_root_dir=str(out / "root"),
     )
