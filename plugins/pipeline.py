@@ -203,6 +203,8 @@ class PipelinePlugin(DDPPlugin):
     def _build_groups(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
+        if self._pp_group is not None:
+            return  # a later fit/validate/test in the same processes keeps the groups
         if self.world_size == 1:
             self._pp_group = dist.group.WORLD
             self._dp_group = None
