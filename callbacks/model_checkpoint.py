@@ -236,20 +236,33 @@ class ModelCheckpoint(Callback):
         saved_dir = state_dict.get("dirpath", self.dirpath)
         if self.dirpath is not None and saved_dir != self.dirpath:
             # A resumed run that writes elsewhere starts its own ranking (Lightning's rule).
+            # Paths stored in a checkpoint are trusted only inside this run's own folder (below).
             rank_zero_warn(
                 f"ModelCheckpoint: the checkpoint was written to {saved_dir!r} and this run writes to "
-                f"{self.dirpath!r}; only `best_model_path` is restored, the top-k ranking starts afresh."
+                f"{self.dirpath!r}; the top-k ranking and `best_model_path` start afresh."
             )
-            self.best_model_path = state_dict.get("best_model_path", "")
             return
+        # A checkpoint's contents never choose a file to open or delete: every stored path must be a
+        # name directly inside this run's dirpath, as this callback writes them; others are dropped.
+        inside = self._inside_dirpath
         self.best_model_score = state_dict.get("best_model_score")
-        self.best_model_path = state_dict.get("best_model_path", "")
+        self.best_model_path = inside(state_dict.get("best_model_path", ""))
         self.current_score = state_dict.get("current_score")
-        self.best_k_models = dict(state_dict.get("best_k_models", {}))
-        self.kth_best_model_path = state_dict.get("kth_best_model_path", "")
+        self.best_k_models = {p: v for p, v in dict(state_dict.get("best_k_models", {})).items() if inside(p)}
+        self.kth_best_model_path = inside(state_dict.get("kth_best_model_path", ""))
         self.kth_value = state_dict.get("kth_value", self.kth_value)
-        self.last_model_path = state_dict.get("last_model_path", "")
-        self._written = set(state_dict.get("written", []))
+        self.last_model_path = inside(state_dict.get("last_model_path", ""))
+        self._written = {p for p in state_dict.get("written", []) if inside(p)}
+
+    def _inside_dirpath(self, path: Any) -> str:
+        """``path`` if it names an entry directly inside ``dirpath``, else ``""``."""
+        if not isinstance(path, str) or self.dirpath is None:
+            return ""
+        prefix = self.dirpath.rstrip("/") + "/"
+        name = path[len(prefix) :]
+        if not path.startswith(prefix) or not name or name in (".", "..") or "/" in name or "\\" in name:
+            return ""
+        return path
 
     # ------------------------------------------------------------------ decisions
     def _skip(self, trainer: Trainer) -> bool:

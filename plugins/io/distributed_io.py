@@ -149,8 +149,11 @@ class DistributedCheckpointIO(CheckpointIO):
         """A DCP reader of the folder ``url`` that never unpickles code and never leaves the folder."""
         fs, fs_path = self._resolve(url)
         if paths.is_local(fs):
-            return _SafeFileSystemReader(fs_path, display=url)
-        return _SafeFsspecReader(url, display=url, **self._storage_options)
+            reader: _SafeMetadataReading = _SafeFileSystemReader(fs_path, display=url)
+        else:
+            reader = _SafeFsspecReader(url, display=url, **self._storage_options)
+        reader.check_metadata()
+        return reader
 
     def load_trainer_state(self, path: PathLike) -> dict[str, Any]:
         """The non-tensor part of a sharded checkpoint (everything but model and optimizer tensors)."""
@@ -269,16 +272,31 @@ def _is_plain_file_name(name: Any) -> bool:
 
 
 class _SafeMetadataReading:
-    """``read_metadata`` without running code, and only shard names inside the folder."""
+    """``read_metadata`` without running code, and only shard names inside the folder.
+
+    :meth:`check_metadata` reads and checks ``.metadata`` before DCP is called, so a refusal is
+    raised as it is (DCP would log it with a traceback and retry per-rank metadata files).
+    """
 
     _display: str
     #: The refusal raised while reading, kept because DCP reports it only as text inside its own error.
     refusal: Optional[CheckpointError] = None
+    _checked: Any = None
+
+    def check_metadata(self) -> None:
+        self._checked = self._read_checked_metadata(None)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        rank = kwargs.get("rank")
+        if rank is None and self._checked is not None:
+            metadata, self._checked = self._checked, None
+            return metadata
+        return self._read_checked_metadata(rank)
+
+    def _read_checked_metadata(self, rank: Optional[int]) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        path = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
+        path = self._get_metadata_path(rank)  # type: ignore[attr-defined]
         try:
             with self.fs.create_stream(path, "rb") as file:  # type: ignore[attr-defined]
                 metadata = _MetadataUnpickler(file, self._display).load()
