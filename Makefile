@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench lint clean stress
 
 $(VENV)/.installed-%: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,12 @@ demo: $(VENV)/.installed-demo
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The reliability suite at full size (RELIABILITY.md): 50 SIGKILL trials per kind of save and a
+# 10,000-step load run; the figures land in bench_results/reliability/ as JSON.
+stress: $(VENV)/.installed-test
+	KILL_TRIALS=50 LOAD_STEPS=10000 RELIABILITY_REPORT=bench_results/reliability \
+		$(PY) -m pytest -s -p no:cacheprovider tests/test_kill_during_save.py tests/test_reliability_load.py $(PYTEST_ARGS)
 
 # Every benchmark, each side by side with its baselines; BENCH_ARGS=--quick for a short run.
 BENCHMARKS ?= overhead checkpoint ddp consolidate fsdp_checkpoint optimizer_in_backward pipeline

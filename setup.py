@@ -43,6 +43,8 @@ _EXTRAS = {
         "fairscale==0.4.13",
         # RichProgressBar, an optional progress bar.
         "rich>=13",
+        # Property-based round trips of random modules and optimizers (tests/test_reliability_bad_files.py).
+        "hypothesis>=6.100",
     ],
     "bench": ["pytorch-lightning==2.6.6", "psutil>=5.9", "fairscale==0.4.13"],
 }

@@ -12,7 +12,11 @@ an unpicklable value, an S3 upload cut off at 12 MB).
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,7 @@ import torch
 from kill_job import Wide, loader
 
 from trainer_core import Trainer, seed_everything
+from trainer_core.checkpoint import FORMAT_VERSION, KEY_FORMAT_VERSION, KEY_STATE_DICT
 from trainer_core.errors import CheckpointError
 from trainer_core.plugins.io import AsyncCheckpointIO, DistributedCheckpointIO, TorchCheckpointIO
 
@@ -138,3 +143,57 @@ def test_a_partial_upload_is_never_visible(tmp_path: Path) -> None:
         _save(trainer, f"{folder}/a.ckpt")
     ckpts = tmp_path / "ckpts"
     assert not ckpts.exists() or sorted(p.name for p in ckpts.iterdir()) == []
+
+
+# ---------------------------------------------------------------------- what a killed writer leaves
+def _killed_mid_save(io: Any, checkpoint: dict[str, Any], url: str, folder: Path) -> str:
+    """Fork a writer, SIGKILL it once its temporary exists; return the temporary's name."""
+    before = set(os.listdir(folder))
+    pid = os.fork()
+    if pid == 0:
+        try:
+            io.save_checkpoint(checkpoint, url)
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 30
+    new: set[str] = set()
+    while not new and time.monotonic() < deadline:
+        new = {n for n in set(os.listdir(folder)) - before if n.startswith(".")}
+        time.sleep(0.001)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert len(new) == 1, f"no temporary appeared: {sorted(os.listdir(folder))}"
+    return new.pop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("kind", ["monolithic", "sharded"])
+def test_next_save_removes_what_a_killed_writer_left_and_nothing_else(kind: str, tmp_path: Path) -> None:
+    io = _io(kind, {})
+    big = {
+        KEY_FORMAT_VERSION: FORMAT_VERSION,
+        "epoch": 0,
+        "global_step": 0,
+        KEY_STATE_DICT: {"w": torch.randn(8_000_000)},  # 32 MB: the writer is killed mid-write
+    }
+    io.save_checkpoint(big, str(tmp_path / "a.ckpt"))
+    leftover = _killed_mid_save(io, big, str(tmp_path / "b.ckpt"), tmp_path)
+    assert re.fullmatch(r"\.b\.ckpt\.tmp-[0-9a-f]+", leftover)
+    # Not ours: other names, and a temporary a live writer holds (locked, as our writers do).
+    others = ["notes.tmp-123abc", ".notes.tmp-not-hex", "b.ckpt.tmp-0123456789ab"]
+    for name in others:
+        (tmp_path / name).write_text("someone else's")
+    live = tmp_path / ".c.ckpt.tmp-0123456789ab"
+    with open(live, "wb") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        old = time.time() - 60
+        for name in [leftover, live.name, *others]:
+            os.utime(tmp_path / name, (old, old))  # all old enough to be candidates
+
+        io.save_checkpoint({**big, KEY_STATE_DICT: {"w": torch.zeros(4)}}, str(tmp_path / "d.ckpt"))
+
+        left = set(os.listdir(tmp_path))
+        assert leftover not in left
+        assert {live.name, *others, "a.ckpt", "d.ckpt"} <= left
+    assert io.list_complete(str(tmp_path))[-1] == str(tmp_path / "d.ckpt")
