@@ -261,7 +261,9 @@ def _is_full(state: dict[str, Any]) -> bool:
 
     for value in _tensors(state):
         return not isinstance(value, DTensor)
-    return True
+    # No tensors at all (the state of SGD without momentum): torch's full-state path needs a tensor
+    # to find the device, while the sharded path loads the parameter groups alone.
+    return False
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

@@ -122,6 +122,9 @@ class Net(LightningModule):
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.Adam, lr=LR)
+        if self.optimizer_kind == "sgd":
+            # No momentum: an optimizer whose state holds no tensors at all.
+            return torch.optim.SGD(self.parameters(), lr=LR)
         return torch.optim.Adam(self.parameters(), lr=LR)
 
 
@@ -298,7 +301,7 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val (by norm)")
     parser.add_argument("--max-epochs", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=-1)
-    parser.add_argument("--optimizer", default="adam", choices=["adam", "oss", "zero"])
+    parser.add_argument("--optimizer", default="adam", choices=["adam", "oss", "zero", "sgd"])
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--shuffle", action="store_true")
     parser.add_argument("--fail-on-rank", type=int, default=-1)

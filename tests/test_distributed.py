@@ -409,6 +409,27 @@ def test_resume_at_the_same_world_size_is_exact(tmp_path: Path, plugin: str) -> 
         assert all(torch.equal(final_full[k], final_resumed[k]) for k in final_full)
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("plugin", ["fsdp", "fsdp_sharded"])
+def test_fsdp_resumes_an_optimizer_without_tensor_state(tmp_path: Path, plugin: str) -> None:
+    """SGD without momentum keeps no tensors: torch's loader cannot infer a device from its state."""
+    common = ("--plugin", plugin, "--devices", "2", "--optimizer", "sgd", "--max-epochs", "1")
+    _run(tmp_path, "--out", "full", *common, "--ckpt-every-steps", "2")
+    _run(
+        tmp_path,
+        "--out",
+        "resumed",
+        *common,
+        "--resume",
+        str(tmp_path / "full" / "ckpts" / "epoch=0-step=2.ckpt"),
+    )
+    for rank in (0, 1):
+        assert (
+            _rank_result(tmp_path / "resumed", rank)["losses"]
+            == _rank_result(tmp_path / "full", rank)["losses"][2:]
+        )
+
+
 # ---------------------------------------------------------------------- 6. a failing rank
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("plugin", "failing"), [("ddp", 1), ("ddp", 0), ("ddp_spawn", 1)])
