@@ -303,6 +303,10 @@ def _train_epoch(t: Trainer, val_loaders: list[Any]) -> None:
     acc = t.accumulate_grad_batches
     automatic = module.automatic_optimization
     val_enabled = bool(val_loaders)
+    # Pre-emption signals (trainer_core.signals): one attribute test per step on one process;
+    # several ranks must agree on the step to stop at, which they do about once a second.
+    preemption = t._preemption
+    several_ranks = preemption is not None and t.world_size > 1
 
     iterator = _start_epoch_iterator(t, loader, start)
     if start and val_enabled and not t._validated_batch and _should_check_val(t, start - 1, start >= n):
@@ -353,6 +357,10 @@ def _train_epoch(t: Trainer, val_loaders: list[Any]) -> None:
             break
         if t.should_stop and _can_stop(t):
             break
+        if preemption is not None and (several_ranks or preemption.received is not None):
+            signum = preemption.agreed(t)
+            if signum is not None:
+                preemption.save_and_stop(t, signum)
     _end_train_epoch(t)
 
 

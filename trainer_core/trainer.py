@@ -18,7 +18,7 @@ from lightning_utilities.core.overrides import is_overridden
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer_core import loops
+from trainer_core import loops, signals
 from trainer_core.callbacks.base import Callback
 from trainer_core.connectors import (
     configure_callbacks,
@@ -170,6 +170,9 @@ class Trainer:
         self.sanity_checking = False
         self.should_stop = False
         self.interrupted = False
+        # Pre-emption (trainer_core.signals): the signal record during fit, and whether it ended the fit.
+        self._preemption: Optional[signals.PreemptionHandler] = None
+        self._preempted = False
         self.current_epoch = 0
         self.global_step = 0
         self.batch_idx = 0
@@ -241,12 +244,16 @@ class Trainer:
         if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
             raise MisconfigurationException("fit: pass either dataloaders or `datamodule=`, not both.")
         self.plugin.connect(model)
+        self._preempted = False
         self._run_stage(
             "fit",
             model,
             datamodule,
             partial(loops.run_fit, self, train_dataloaders, val_dataloaders, ckpt_path),
         )
+        if self._preempted:
+            # Every rank saved the same step and tore down cleanly: end the job, successfully.
+            raise SystemExit(signals.EXIT_CODE)
 
     def validate(
         self,
@@ -353,7 +360,11 @@ class Trainer:
 
     def _guarded(self, stage: str, body: Callable[[], Any]) -> Any:
         try:
-            return body()
+            with signals.handle_preemption(self, stage):
+                return body()
+        except signals.Preempted as exc:
+            signals.finish_preempted(self, stage, exc)
+            return None
         except BaseException as exc:
             self.interrupted = isinstance(exc, KeyboardInterrupt)
             module = self.lightning_module
