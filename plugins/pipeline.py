@@ -169,6 +169,7 @@ class PipelinePlugin(DDPPlugin):
         # Checked before any process starts: a wrong split point fails in the user's own process.
         _check_pipelined_module(module)
         plan_stages(module, self.split_points)
+        self._check_layout()
         super().connect(module)
 
     def setup(self, trainer: Trainer) -> None:
@@ -192,6 +193,7 @@ class PipelinePlugin(DDPPlugin):
                 for name in names:
                     module.get_submodule(name).to(torch.device("meta"))
         device = self.root_device
+        _materialise(module, held, device)
         self._parts = [_stage_module(module, set(plan[sid])).to(device) for sid in self._stage_ids]
         self._build_groups()
         self._accumulate = trainer.accumulate_grad_batches
@@ -705,6 +707,24 @@ def _stage_module(root: nn.Module, held: set[str]) -> nn.Module:
         return new
 
     return build("", root)
+
+
+def _materialise(module: nn.Module, held: Sequence[str], device: torch.device) -> None:
+    """Give the layers this rank holds real memory when the module was built on the meta device.
+
+    A module built under ``torch.device("meta")`` takes no memory on any rank; each rank allocates
+    only its own layers here and initialises them with their ``reset_parameters`` (a checkpoint
+    loaded afterwards, ``ckpt_path=...``, overwrites them).
+    """
+    for name in held:
+        sub = module.get_submodule(name)
+        if not any(t.is_meta for t in [*sub.parameters(), *sub.buffers()]):
+            continue
+        sub.to_empty(device=device)
+        for inner in sub.modules():
+            reset = getattr(inner, "reset_parameters", None)
+            if callable(reset):
+                reset()
 
 
 def _check_pipelined_module(module: LightningModule) -> None:

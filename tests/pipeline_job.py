@@ -118,13 +118,19 @@ def main() -> None:
     parser.add_argument("--sharded", action="store_true", help="DistributedCheckpointIO")
     parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val (by norm)")
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--meta-init", action="store_true", help="build the module on the meta device")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
 
     seed_everything(0, verbose=False)
-    model = PipeNet()
+    if args.meta_init:
+        # No rank allocates the whole model: each materialises only the layers it holds.
+        with torch.device("meta"):
+            model = PipeNet()
+    else:
+        model = PipeNet()
     plugins: list[Any]
     if args.plugin == "single_device":
         plugins = ["single_device"]

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from pipeline_job import PipeNet, data
 from torch.utils.data import DataLoader
 
@@ -142,9 +141,10 @@ def test_resume_across_pipeline_degrees(tmp_path: Path, reference: dict[str, Any
     """
     legs = [
         ("pp2", ["--schedule", "1F1B", "--split", "layers.3", "--devices", "2"], 8),
+        # Built on the meta device: each rank allocates only its own layers, then loads them.
         (
             "pp4",
-            ["--schedule", "1F1B", "--split", "layers.2,layers.4,layers.5", "--devices", "4", "--sharded"],
+            ["--split", "layers.2,layers.4,layers.5", "--devices", "4", "--sharded", "--meta-init"],
             11,
         ),
         (
@@ -221,4 +221,18 @@ def test_registry_and_public_import() -> None:
 
     plugin = plugin_from_name("pipeline", split_points=["layers.3"], schedule="GPipe")
     assert isinstance(plugin, PipelinePlugin) and plugin.schedule_name == "GPipe"
-    assert torch.distributed.is_initialized() is False
+
+
+def test_stages_that_do_not_fit_the_ranks() -> None:
+    with pytest.raises(
+        MisconfigurationException, match=r"make 3 stages for 2 pipeline ranks .* use 1 split points"
+    ):
+        _fit(PipelinePlugin(split_points=["layers.2", "layers.4"], schedule="1F1B"), PipeNet())
+    with pytest.raises(
+        MisconfigurationException, match="number of stages to be a multiple of the pipeline degree"
+    ):
+        _fit(PipelinePlugin(split_points=["layers.2", "layers.4"], schedule="Interleaved1F1B"), PipeNet())
+    with pytest.raises(
+        MisconfigurationException, match=r"data_parallel_size=3\) does not divide the 2 processes"
+    ):
+        _fit(PipelinePlugin(split_points=["layers.3"], data_parallel_size=3), PipeNet())
