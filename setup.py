@@ -28,7 +28,13 @@ _INSTALL_REQUIRES = [
 
 _EXTRAS = {
     "sharded": ["fairscale==0.4.13"],
-    "demo": ["scikit-learn>=1.3", "fairscale==0.4.13"],
+    # TensorBoardLogger; with it installed, Trainer(logger=True) picks TensorBoard over CSV.
+    "tensorboard": ["tensorboard>=2.9"],
+    # `python -m trainer_core.plot LOGDIR`: metrics.csv to a PNG.
+    "plot": ["matplotlib>=3.5"],
+    # `python -m trainer_core fit --config run.yaml`.
+    "cli": ["jsonargparse[signatures]>=4.27"],
+    "demo": ["scikit-learn>=1.3", "fairscale==0.4.13", "matplotlib>=3.5"],
     "test": [
         "pytest>=8",
         "pytest-timeout>=2.2",
@@ -45,6 +51,10 @@ _EXTRAS = {
         "rich>=13",
         # Property-based round trips of random modules and optimizers (tests/test_reliability_bad_files.py).
         "hypothesis>=6.100",
+        # TensorBoardLogger (event files read back with TensorBoard's reader), the plot and the CLI.
+        "tensorboard>=2.9",
+        "matplotlib>=3.5",
+        "jsonargparse[signatures]>=4.27",
     ],
     "bench": ["pytorch-lightning==2.6.6", "psutil>=5.9", "fairscale==0.4.13"],
 }

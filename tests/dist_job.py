@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from trainer_core import LightningModule, Trainer, seed_everything
 from trainer_core.callbacks import Callback, ModelCheckpoint
+from trainer_core.loggers import CSVLogger
 from trainer_core.plugins.io import TorchCheckpointIO
 
 LR = 0.01
@@ -359,7 +360,8 @@ def main() -> None:
         num_nodes=args.num_nodes,
         max_epochs=args.max_epochs,
         max_steps=args.max_steps,
-        logger=True if args.logger else False,
+        # CSV explicitly: with tensorboard installed, logger=True would pick TensorBoardLogger.
+        logger=CSVLogger(str(out / "root")) if args.logger else False,
         enable_checkpointing=bool(args.ckpt_every_steps or args.ckpt_every_epoch or args.logger),
         enable_progress_bar=args.progress_bar,
         enable_model_summary=False,

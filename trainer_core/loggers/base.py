@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from argparse import Namespace
 from typing import Any, Optional, Union
 
 from trainer_core import paths
@@ -37,13 +38,15 @@ class Logger:
         """Flush buffered records."""
 
     def finalize(self, status: str) -> None:
-        """Flush and close at the end of a run (``status`` is ``"success"`` or ``"failed"``)."""
+        """Flush and close at the end of a run (``status``: ``"success"``, ``"failed"`` or ``"preempted"``)."""
         self.save()
 
 
 def next_version(root: str, storage_options: Optional[dict[str, Any]] = None) -> int:
     """One more than the highest ``version_N`` folder under ``root`` (0 when there is none)."""
     fs, path = paths.resolve(root, **(storage_options or {}))
+    # Object-store clients cache listings; another process may have started a version since.
+    fs.invalidate_cache(path)
     if not fs.exists(path):
         return 0
     versions = []
@@ -52,3 +55,13 @@ def next_version(root: str, storage_options: Optional[dict[str, Any]] = None) ->
         if match:
             versions.append(int(match.group(1)))
     return max(versions) + 1 if versions else 0
+
+
+def version_folder(version: Union[int, str]) -> str:
+    """``version_3`` for a number; a string version is the folder name itself (Lightning's rule)."""
+    return version if isinstance(version, str) else f"version_{version}"
+
+
+def as_dict(params: Union[dict[str, Any], Namespace]) -> dict[str, Any]:
+    """Hyper-parameters as a dict: an ``argparse.Namespace`` (a script's parsed arguments) too."""
+    return dict(vars(params)) if isinstance(params, Namespace) else dict(params)

@@ -6,10 +6,11 @@ import csv
 import io
 import json
 import os
+from argparse import Namespace
 from typing import Any, Optional, Union
 
 from trainer_core import paths
-from trainer_core.loggers.base import Logger, next_version
+from trainer_core.loggers.base import Logger, as_dict, next_version, version_folder
 from trainer_core.utilities import rank_zero_only
 
 METRICS_FILE = "metrics.csv"
@@ -63,16 +64,15 @@ class CSVLogger(Logger):
 
     @property
     def log_dir(self) -> str:
-        version = self.version
-        folder = version if isinstance(version, str) else f"version_{version}"
-        return paths.join(self.root_dir, folder)
+        return paths.join(self.root_dir, version_folder(self.version))
 
     @property
     def metrics_file_path(self) -> str:
         return paths.join(self.log_dir, METRICS_FILE)
 
     @rank_zero_only
-    def log_hyperparams(self, params: dict[str, Any]) -> None:
+    def log_hyperparams(self, params: Union[dict[str, Any], Namespace]) -> None:
+        params = as_dict(params)
         fs, folder = paths.resolve(self.log_dir, **self._storage_options)
         fs.makedirs(folder, exist_ok=True)
         # JSON is valid YAML, and needs no YAML library to write.

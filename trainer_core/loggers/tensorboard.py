@@ -1,17 +1,32 @@
-"""``TensorBoardLogger``: event files through ``torch.utils.tensorboard`` (needs ``tensorboard``)."""
+"""``TensorBoardLogger``: TensorBoard event files on any fsspec URL (needs the ``tensorboard`` package).
+
+The events are written by ``torch.utils.tensorboard.SummaryWriter``, so ``logger.experiment``
+offers its whole API (``add_image``, ``add_histogram``, ...). SummaryWriter itself writes only
+to local files (TensorBoard's own object-store support knows neither fsspec nor its
+``storage_options``), so for a remote ``save_dir`` it writes into a local spool folder and every
+``save()`` (each epoch end, after validate/test, at the end of the run) uploads the files that
+changed through fsspec. An event file only grows, so the uploaded copy is always a valid prefix
+of the run's events: TensorBoard pointed at the bucket shows the run up to the last epoch.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
+from argparse import Namespace
 from typing import Any, Optional, Union
 
 from lightning_utilities.core.imports import RequirementCache
 
 from trainer_core import paths
-from trainer_core.loggers.base import Logger, next_version
+from trainer_core.loggers.base import Logger, as_dict, next_version, version_folder
 from trainer_core.utilities import rank_zero_only
 
 _TENSORBOARD = RequirementCache("tensorboard")
+
+HPARAMS_FILE = "hparams.yaml"
 
 
 def tensorboard_available() -> bool:
@@ -19,13 +34,23 @@ def tensorboard_available() -> bool:
 
 
 class TensorBoardLogger(Logger):
-    """Write ``<save_dir>/<name>/version_<n>/events.*`` on global rank 0."""
+    """Write ``<save_dir>/<name>/version_<n>[/<sub_dir>]/events.out.tfevents.*`` on global rank 0.
+
+    Arguments follow Lightning's: ``default_hp_metric`` logs ``hp_metric=-1`` with the
+    hyper-parameters (so TensorBoard's HPARAMS tab lists the run before any metric is chosen),
+    ``prefix`` is put before every metric name, extra keyword arguments go to ``SummaryWriter``
+    (``flush_secs``, ``max_queue``, ``filename_suffix``), ``storage_options`` to fsspec.
+    """
 
     def __init__(
         self,
         save_dir: Union[str, os.PathLike],
         name: Optional[str] = "lightning_logs",
         version: Optional[Union[int, str]] = None,
+        default_hp_metric: bool = True,
+        prefix: str = "",
+        sub_dir: Optional[str] = None,
+        storage_options: Optional[dict[str, Any]] = None,
         **writer_kwargs: Any,
     ) -> None:
         if not _TENSORBOARD:
@@ -36,8 +61,16 @@ class TensorBoardLogger(Logger):
         self._save_dir = os.fspath(save_dir)
         self._name = name or ""
         self._version = version
+        self._default_hp_metric = default_hp_metric
+        self._prefix = prefix
+        self._sub_dir = sub_dir
+        self._storage_options = storage_options or {}
         self._writer_kwargs = writer_kwargs
         self._writer: Any = None
+        self._hparams: dict[str, Any] = {}
+        # Remote targets: the local folder SummaryWriter writes into, and the sizes last uploaded.
+        self._spool: Optional[str] = None
+        self._uploaded: dict[str, int] = {}
 
     @property
     def name(self) -> str:
@@ -48,47 +81,138 @@ class TensorBoardLogger(Logger):
         return self._save_dir
 
     @property
+    def root_dir(self) -> str:
+        return paths.join(self._save_dir, self._name) if self._name else self._save_dir
+
+    @property
     def version(self) -> Union[int, str]:
         if self._version is None:
-            root = paths.join(self._save_dir, self._name) if self._name else self._save_dir
-            self._version = next_version(root)
+            self._version = next_version(self.root_dir, self._storage_options)
         return self._version
 
     @property
     def log_dir(self) -> str:
-        version = self.version
-        folder = version if isinstance(version, str) else f"version_{version}"
-        parts = [self._name, folder] if self._name else [folder]
-        return paths.join(self._save_dir, *parts)
+        log_dir = paths.join(self.root_dir, version_folder(self.version))
+        return paths.join(log_dir, self._sub_dir) if self._sub_dir else log_dir
 
     @property
     def experiment(self) -> Any:
+        """The ``SummaryWriter`` (created on first use); on other ranks than 0, an object that ignores every call."""
+        if rank_zero_only.rank != 0:
+            return _NoWriter()
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=self.log_dir, **self._writer_kwargs)
+            fs, folder = paths.resolve(self.log_dir, **self._storage_options)
+            if paths.is_local(fs):
+                fs.makedirs(folder, exist_ok=True)
+                target = folder
+            else:
+                self._spool = tempfile.mkdtemp(prefix="trainer-core-tensorboard-")
+                target = self._spool
+            self._writer = SummaryWriter(log_dir=target, **self._writer_kwargs)
         return self._writer
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        writer = self.experiment
         for key, value in metrics.items():
-            if key == "epoch":
-                continue
-            self.experiment.add_scalar(key, value, step)
+            writer.add_scalar(f"{self._prefix}{key}", value, step)
 
     @rank_zero_only
-    def log_hyperparams(self, params: dict[str, Any]) -> None:
-        text = "\n".join(f"{k}: {v!r}" for k, v in sorted(params.items()))
-        self.experiment.add_text("hparams", text)
+    def log_hyperparams(
+        self, params: Union[dict[str, Any], Namespace], metrics: Optional[dict[str, float]] = None
+    ) -> None:
+        """Record ``params`` in TensorBoard's HPARAMS tab and in ``hparams.yaml`` beside the events."""
+        from torch.utils.tensorboard.summary import hparams
+
+        params = _flatten(_plain(as_dict(params)))
+        self._hparams.update(params)
+        if metrics is None and self._default_hp_metric:
+            metrics = {"hp_metric": -1}
+        writer = self.experiment
+        if metrics:
+            experiment, session_start, session_end = hparams(params, metrics)
+            file_writer = writer._get_file_writer()
+            for summary in (experiment, session_start, session_end):
+                file_writer.add_summary(summary)
+            for key, value in metrics.items():
+                writer.add_scalar(key, value, 0)
+        self._write_hparams_file()
 
     @rank_zero_only
     def save(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
+        if self._writer is None:
+            return
+        self._writer.flush()
+        if self._spool is not None:
+            self._upload()
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
-        if self._writer is not None:
-            self._writer.flush()
-            self._writer.close()
-            self._writer = None
+        if self._writer is None:
+            return
+        self._writer.flush()
+        self._writer.close()
+        self._writer = None
+        if self._spool is not None:
+            self._upload()
+            shutil.rmtree(self._spool, ignore_errors=True)
+            self._spool = None
+            self._uploaded = {}
+
+    # ------------------------------------------------------------------ files
+    def _write_hparams_file(self) -> None:
+        fs, folder = paths.resolve(self.log_dir, **self._storage_options)
+        fs.makedirs(folder, exist_ok=True)
+        # JSON is valid YAML, and needs no YAML library to write.
+        with fs.open(f"{folder}/{HPARAMS_FILE}", "w") as f:
+            json.dump(self._hparams, f, indent=2, sort_keys=True, default=repr)
+
+    def _upload(self) -> None:
+        """Copy the spool's new or grown files to the remote ``log_dir`` (whole files: stores cannot append)."""
+        assert self._spool is not None
+        fs, folder = paths.resolve(self.log_dir, **self._storage_options)
+        for directory, _, files in os.walk(self._spool):
+            for file_name in files:
+                local = os.path.join(directory, file_name)
+                size = os.path.getsize(local)
+                if self._uploaded.get(local) == size:
+                    continue
+                relative = os.path.relpath(local, self._spool).replace(os.sep, "/")
+                fs.put_file(local, f"{folder}/{relative}")
+                self._uploaded[local] = size
+
+
+class _NoWriter:
+    """What ``experiment`` is on ranks other than 0: every ``add_*`` call does nothing, so user code needs no rank test."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+def _plain(params: dict[str, Any]) -> dict[str, Any]:
+    """What TensorBoard's HPARAMS tab can show: numbers, strings, booleans; anything else as text."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if isinstance(value, dict):
+            out[key] = _plain(value)
+        elif isinstance(value, (bool, int, float, str)):
+            out[key] = value
+        elif value is None:
+            out[key] = "None"
+        else:
+            out[key] = repr(value)
+    return out
+
+
+def _flatten(params: dict[str, Any], parent: str = "") -> dict[str, Any]:
+    """``{"optim": {"lr": 0.1}}`` -> ``{"optim/lr": 0.1}``, as Lightning flattens nested hyper-parameters."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        name = f"{parent}/{key}" if parent else str(key)
+        if isinstance(value, dict):
+            out.update(_flatten(value, name))
+        else:
+            out[name] = value
+    return out
