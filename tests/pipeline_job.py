@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +52,12 @@ class PipeNet(LightningModule):
         x, y = batch
         loss = self.loss_fn(self(x), y)
         self.log("val_loss", loss, prog_bar=True)
+        return loss
+
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss_fn(self(x), y)
+        self.log("test_loss", loss)
         return loss
 
     def configure_optimizers(self) -> Any:
@@ -119,6 +124,7 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val (by norm)")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--meta-init", action="store_true", help="build the module on the meta device")
+    parser.add_argument("--then-evaluate", action="store_true", help="trainer.validate and .test after fit")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out).resolve()
@@ -172,8 +178,14 @@ def main() -> None:
         DataLoader(data(N_VAL, seed=1), batch_size=args.batch_size),
         ckpt_path=args.resume,
     )
-    if os.environ.get("PIPELINE_JOB_DONE_FILE"):
-        Path(os.environ["PIPELINE_JOB_DONE_FILE"]).touch()
+    if args.then_evaluate:
+        val_loader = DataLoader(data(N_VAL, seed=1), batch_size=args.batch_size)
+        metrics = {
+            "validate": trainer.validate(model, val_loader, verbose=False),
+            "test": trainer.test(model, val_loader, verbose=False),
+        }
+        with open(out / f"evaluate{trainer.global_rank}.json", "w") as f:
+            json.dump(metrics, f)
 
 
 if __name__ == "__main__":

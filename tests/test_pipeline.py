@@ -76,9 +76,12 @@ def _assert_matches(record: dict[str, Any], reference: dict[str, Any], where: st
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The single-device ("pp 1") run: its record, and its checkpoint after 4 steps."""
     out = tmp_path_factory.mktemp("pp") / "single"
-    (record,) = _run(out, "--plugin", "single_device", "--max-steps", str(STEPS), "--save-at", "4")
+    (record,) = _run(
+        out, "--plugin", "single_device", "--max-steps", str(STEPS), "--save-at", "4", "--then-evaluate"
+    )
     assert record["steps"] == list(range(1, STEPS + 1))
-    return {**record, "ckpt": out / "step4.ckpt"}
+    evaluated = json.loads((out / "evaluate0.json").read_text())
+    return {**record, "ckpt": out / "step4.ckpt", "evaluated": evaluated}
 
 
 @pytest.mark.parametrize(
@@ -93,12 +96,20 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_schedule_matches_single_process(
     tmp_path: Path, reference: dict[str, Any], schedule: str, split: str
 ) -> None:
-    records = _run(tmp_path / "run", "--schedule", schedule, "--split", split, "--max-steps", str(STEPS))
+    out = tmp_path / "run"
+    records = _run(
+        out, "--schedule", schedule, "--split", split, "--max-steps", str(STEPS), "--then-evaluate"
+    )
     assert len(records) == 2
+    expected = reference["evaluated"]
     for rank, record in enumerate(records):
         # Every rank reports the loss, not only the last stage.
         _assert_matches(record, reference, f"{schedule} rank {rank}")
         assert abs(record["val_loss"] - reference["val_loss"]) <= LOSS_TOL, f"{schedule} rank {rank} val_loss"
+        # trainer.validate and trainer.test after fit run the pipeline forward and report the same loss.
+        evaluated = json.loads((out / f"evaluate{rank}.json").read_text())
+        for stage, key in (("validate", "val_loss"), ("test", "test_loss")):
+            assert abs(evaluated[stage][0][key] - expected[stage][0][key]) <= LOSS_TOL, f"{stage} rank {rank}"
         # One optimizer per model part, behind one container.
         assert record["optimizers_per_part"] == record["parts"] == len(record["stage_ids"])
 
