@@ -90,3 +90,14 @@ def test_logged_val_acc_is_the_exact_accuracy(tmp_path: Path) -> None:
     with torch.no_grad():
         expected = (model(x_val).argmax(dim=-1) == y_val).float().mean().item()
     assert float(trainer.callback_metrics["val_acc"]) == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_demo_draws_its_metrics(short_run: tuple[Path, digits.DemoResult]) -> None:
+    pytest.importorskip("matplotlib", reason="the picture needs matplotlib (extras 'demo', 'plot', 'test')")
+    root, result = short_run
+    assert result.plot_path == f"{result.log_dir}/metrics.png"
+    png = Path(result.plot_path)
+    assert root.resolve() in png.resolve().parents
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (png.parent / "metrics.csv").is_file()
