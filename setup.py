@@ -33,7 +33,7 @@ _EXTRAS = {
     # `python -m trainer_core.plot LOGDIR`: metrics.csv to a PNG.
     "plot": ["matplotlib>=3.5"],
     # `python -m trainer_core fit --config run.yaml`.
-    "cli": ["jsonargparse[signatures]>=4.27"],
+    "cli": ["jsonargparse[signatures]>=4.49"],
     "demo": ["scikit-learn>=1.3", "fairscale==0.4.13", "matplotlib>=3.5"],
     "test": [
         "pytest>=8",
@@ -54,7 +54,7 @@ _EXTRAS = {
         # TensorBoardLogger (event files read back with TensorBoard's reader), the plot and the CLI.
         "tensorboard>=2.9",
         "matplotlib>=3.5",
-        "jsonargparse[signatures]>=4.27",
+        "jsonargparse[signatures]>=4.49",
     ],
     "bench": ["pytorch-lightning==2.6.6", "psutil>=5.9", "fairscale==0.4.13"],
 }
