@@ -201,3 +201,26 @@ def test_next_save_removes_what_a_killed_writer_left_and_nothing_else(kind: str,
         assert leftover not in left
         assert {live.name, *others, "a.ckpt", "d.ckpt"} <= left
     assert io.list_complete(str(tmp_path))[-1] == str(tmp_path / "d.ckpt")
+
+
+def test_a_rename_that_fails_on_local_disk_leaves_no_temporary(tmp_path: Path) -> None:
+    """The local publish step (rename over the target) fails for real: the target is a folder."""
+    io = TorchCheckpointIO()
+    small = {
+        KEY_FORMAT_VERSION: FORMAT_VERSION,
+        "epoch": 0,
+        "global_step": 1,
+        KEY_STATE_DICT: {"w": torch.ones(3)},
+    }
+    io.save_checkpoint(small, str(tmp_path / "a.ckpt"))
+    (tmp_path / "b.ckpt").mkdir()
+    (tmp_path / "b.ckpt" / "notes.txt").write_text("someone's folder")
+
+    with pytest.raises(
+        CheckpointError, match=re.escape(str(tmp_path / "b.ckpt")) + ".*(Is a directory|Directory not empty)"
+    ):
+        io.save_checkpoint({**small, "global_step": 2}, str(tmp_path / "b.ckpt"))
+
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "b.ckpt"]
+    assert (tmp_path / "b.ckpt" / "notes.txt").read_text() == "someone's folder"
+    assert io.load_checkpoint(io.latest_complete(str(tmp_path)))["global_step"] == 1
