@@ -84,7 +84,8 @@ class PreemptionHandler:
         # and when it began. The first agreement comes after one step, then the interval adapts.
         self._steps_left = 1
         self._interval = 1
-        self._interval_start: Optional[float] = None
+        self._interval_start = time.perf_counter()
+        self._world_size: Optional[int] = None
 
     def install(self) -> bool:
         """Take over the signals; ``False`` (and nothing changes) outside the main thread, where Python cannot."""
@@ -115,15 +116,15 @@ class PreemptionHandler:
 
     def agreed(self, trainer: Trainer) -> Optional[int]:
         """The signal every rank acts on now, or ``None``; with several ranks, every rank must call this every step."""
-        if trainer.world_size == 1:
+        if self._world_size is None:
+            self._world_size = trainer.world_size
+        if self._world_size == 1:
             return self.received
-        now = time.perf_counter()
-        if self._interval_start is None:
-            self._interval_start = now
         self._steps_left -= 1
         if self._steps_left > 0:
             return None
-        seconds_per_step = (now - self._interval_start) / self._interval
+        # The first interval also holds the setup since ``install``: it only makes the next one short.
+        seconds_per_step = (time.perf_counter() - self._interval_start) / self._interval
         local = torch.tensor([float(self.received or 0), seconds_per_step], dtype=torch.float64)
         signum, slowest = trainer.plugin.reduce(local, reduce_op="max").tolist()
         # Every rank holds the same ``slowest``, so every rank picks the same next interval.
