@@ -59,8 +59,13 @@ def lock_temporary(fd: int) -> None:
 
     An exclusive ``flock``: the kernel drops it when the writer exits, however it exits (SIGKILL
     included), which is what tells :func:`remove_abandoned_temporaries` a temporary is abandoned.
+    On a filesystem without locks the save goes on unlocked; the cleanup then never removes it
+    (it removes only what it could lock).
     """
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pass
 
 
 def remove_abandoned_temporaries(folder: str) -> list[str]:
