@@ -112,7 +112,7 @@ def _trials(
     resumed_from: list[str],
     failures: list[str],
 ) -> None:
-    counts["temporaries_left_after_resume"] = 0
+    counts["temporaries_left_after_resume"] = counts["killed_mid_save"] = 0
     for trial in range(TRIALS):
         folder = tmp_path / f"trial{trial}"
         folder.mkdir()
@@ -130,6 +130,8 @@ def _trials(
         else:
             assert child.exitcode == -signal.SIGKILL, f"trial {trial}: the child exited with {child.exitcode}"
             counts["killed"] += 1
+            # A temporary file or folder on disk: the kill landed in the middle of a save.
+            counts["killed_mid_save"] += any(is_temporary_name(p.name) for p in folder.iterdir())
         last = TorchCheckpointIO().latest_complete(str(folder)) if kind != "sharded" else None
         model = Wide()
         # Resume in this process; it saves every 10 steps, so it also cleans up what the kill left.

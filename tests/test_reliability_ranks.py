@@ -148,3 +148,14 @@ def test_a_killed_or_hung_rank_ends_the_run_with_a_clear_error(
 
 if __name__ == "__main__":
     _job(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
+
+
+def test_every_distributed_plugin_takes_a_timeout_of_minutes_by_default() -> None:
+    from trainer_core.plugins import DDPPlugin, DDPShardedPlugin, FSDPPlugin, ZeroPlugin
+    from trainer_core.plugins.registry import plugin_from_name
+
+    for cls in (DDPPlugin, DDPShardedPlugin, ZeroPlugin, FSDPPlugin):
+        assert cls().timeout == timedelta(minutes=10), cls.__name__
+        assert cls(timeout=timedelta(seconds=12)).timeout == timedelta(seconds=12), cls.__name__
+    for name in ("ddp", "ddp_spawn", "ddp_sharded", "zero", "fsdp"):
+        assert plugin_from_name(name).timeout == timedelta(minutes=10), name
