@@ -60,6 +60,11 @@ _TYPED_TRAINER_ARGUMENTS: dict[str, tuple[Any, str]] = {
 
 def build_parser() -> Any:
     """The jsonargparse parser: one subcommand per entry point, each with the whole run's arguments."""
+    return _build_parsers()[0]
+
+
+def _build_parsers() -> tuple[Any, dict[str, Any]]:
+    """The parser and, by subcommand name, the parser of each subcommand."""
     try:
         from jsonargparse import ActionConfigFile, ArgumentParser
     except ImportError as err:
@@ -67,6 +72,7 @@ def build_parser() -> Any:
 
     parser = ArgumentParser(prog=PROG, description="Run trainer-core from a YAML configuration.")
     subcommands = parser.add_subcommands(required=True, dest="subcommand")
+    sub_parsers = {}
     for name, help_text in SUBCOMMANDS.items():
         sub = ArgumentParser(description=help_text)
         sub.add_argument(
@@ -89,20 +95,21 @@ def build_parser() -> Any:
             "--ckpt_path", type=Optional[str], default=None, help='a checkpoint, "last" or "best"'
         )
         subcommands.add_subcommand(name, sub, help=help_text)
-    return parser
+        sub_parsers[name] = sub
+    return parser, sub_parsers
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse ``argv``, build the objects, run the subcommand; returns the exit status."""
     try:
-        parser = build_parser()
+        parser, sub_parsers = _build_parsers()
     except ModuleNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     config = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     stage = config.subcommand
     sub_config = config[stage]
-    sub_parser = parser._subcommands_action._name_parser_map[stage]
+    sub_parser = sub_parsers[stage]
 
     seed = sub_config.seed_everything
     if seed is not False:
