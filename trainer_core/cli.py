@@ -87,8 +87,8 @@ def _build_parsers() -> tuple[Any, dict[str, Any]]:
         # Trainer takes these as ``Any``; typed here, a config can name only loggers and plugins
         # in them, and jsonargparse checks the classes before anything runs.
         sub.add_class_arguments(Trainer, "trainer", instantiate=False, skip=set(_TYPED_TRAINER_ARGUMENTS))
-        for argument, (type_, help_text) in _TYPED_TRAINER_ARGUMENTS.items():
-            sub.add_argument(f"--trainer.{argument}", type=type_, default=None, help=help_text)
+        for argument, (type_, argument_help) in _TYPED_TRAINER_ARGUMENTS.items():
+            sub.add_argument(f"--trainer.{argument}", type=type_, default=None, help=argument_help)
         sub.add_subclass_arguments(LightningModule, "model", required=True)
         sub.add_subclass_arguments(LightningDataModule, "data", required=False)
         sub.add_argument(
