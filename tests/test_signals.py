@@ -88,7 +88,7 @@ def test_sigterm_saves_exits_zero_and_resume_continues_exactly(tmp_path: Path) -
     max_steps = "36"
     _run(tmp_path, "--out", "ref", "--max-steps", max_steps)
     stderr = _interrupt(
-        tmp_path, "run", signum, 0, "--max-steps", max_steps, "--ready-step", "4", "--slow", "0.1"
+        tmp_path, "run", signum, 0, "--max-steps", max_steps, "--ready-step", "4", "--slow", "0.2"
     )
     run = tmp_path / "run"
 
@@ -110,7 +110,7 @@ def test_two_ranks_save_the_same_step_when_only_one_is_signalled(tmp_path: Path)
     """SLURM's SIGUSR1 reaches rank 1 only: rank 0 learns of it through the ranks' agreement."""
     args = ("--devices", "2", "--max-steps", "40")
     _run(tmp_path, "--out", "ref", *args, timeout=150)
-    _interrupt(tmp_path, "run", signal.SIGUSR1, 1, *args, "--ready-step", "2", "--slow", "0.1", timeout=150)
+    _interrupt(tmp_path, "run", signal.SIGUSR1, 1, *args, "--ready-step", "2", "--slow", "0.25", timeout=150)
     run = tmp_path / "run"
     steps = [json.loads((run / f"saved.rank{rank}.json").read_text()) for rank in (0, 1)]
     assert steps[0] == steps[1] and len(steps[0]) == 1, steps
