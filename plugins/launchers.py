@@ -65,12 +65,16 @@ class _ChildWatcher(threading.Thread):
                         f"\n[trainer-core] rank process {child.pid} exited with code {code}; ending every rank.\n"
                     )
                     sys.stderr.flush()
-                    terminate(self.children)
+                    terminate(self.children, grace_seconds=0)
                     os._exit(1 if code > 0 else 128 - code)
 
 
 def terminate(children: list[subprocess.Popen], grace_seconds: float = 5.0) -> None:
-    """SIGTERM every live child, then SIGKILL whatever is still there after ``grace_seconds``."""
+    """SIGTERM every live child, then SIGKILL whatever is still there after ``grace_seconds``.
+
+    When the run has already failed, the grace is 0: a rank treats SIGTERM as pre-emption and would
+    spend the grace trying to agree on a checkpoint with the rank that failed.
+    """
     for child in children:
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
@@ -102,6 +106,12 @@ class ScriptLauncher:
             self._start_children()
         try:
             return function(*args, **kwargs)
+        except SystemExit as stop:
+            # A clean stop (pre-emption saved a checkpoint on every rank): the children end at the same
+            # step and are reaped at exit; any other exit code is a failure.
+            if stop.code not in (None, 0):
+                self.stop_children()
+            raise
         except BaseException:
             # Rank 0 failed: the children would wait for it in the next collective until the timeout.
             self.stop_children()
@@ -135,7 +145,7 @@ class ScriptLauncher:
     def stop_children(self) -> None:
         if self._watcher is not None:
             self._watcher.stopped.set()
-        terminate(self.children)
+        terminate(self.children, grace_seconds=0)
 
 
 class SpawnLauncher:
