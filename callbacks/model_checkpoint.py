@@ -181,7 +181,33 @@ class ModelCheckpoint(Callback):
         if self.dirpath is None:
             root = trainer.log_dir if trainer.loggers else trainer.default_root_dir
             self.dirpath = paths.join(root, "checkpoints")
+            # Under a logger the folder is this run's version; a resumed run gets the next version.
+            self._versions_root = _versions_root(root) if trainer.loggers else None
         self.dirpath = trainer.plugin.broadcast(self.dirpath)
+
+    def resume_search_dirs(self) -> list[str]:
+        """Where ``fit(ckpt_path="last")`` looks: ``dirpath``, and the checkpoints of earlier versions.
+
+        With the default ``dirpath`` (``<logger's log_dir>/checkpoints``) a requeued job logs to a
+        new ``version_N``, so the checkpoints of the run it continues are in a sibling folder.
+        """
+        assert self.dirpath is not None
+        found = [self.dirpath]
+        root = getattr(self, "_versions_root", None)
+        if root is None:
+            return found
+        fs, path = paths.resolve(root)
+        try:
+            entries = fs.ls(path, detail=False)
+        except (FileNotFoundError, OSError):
+            return found
+        for entry in entries:
+            name = str(entry).rstrip("/").rsplit("/", 1)[-1]
+            if name.startswith("version_"):
+                candidate = paths.join(root, name, "checkpoints")
+                if candidate != self.dirpath:
+                    found.append(candidate)
+        return found
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._last_time_checked = time.monotonic()
@@ -514,3 +540,9 @@ def _copy_on_store(fs: fsspec.AbstractFileSystem, target: str, link: str) -> Non
     files = sorted(fs.find(target), key=lambda p: p.rsplit("/", 1)[-1] == METADATA_FILE)
     for path in files:
         fs.copy(path, link + path[len(target.rstrip("/")) :])
+
+
+def _versions_root(log_dir: str) -> Optional[str]:
+    """The folder holding ``version_*`` folders, when ``log_dir`` is one of them."""
+    head, _, tail = log_dir.rstrip("/").rpartition("/")
+    return head if head and tail.startswith("version_") else None

@@ -324,3 +324,37 @@ def test_s3_sharded_folders_and_their_last_copy(s3_url: str) -> None:
     assert last["global_step"] == best["global_step"] == 52
     for name, value in best["state_dict"].items():
         assert torch.equal(last["state_dict"][name], value)
+
+
+def test_last_finds_the_previous_version_under_the_default_logger(tmp_path: Path) -> None:
+    """A requeued job logs to version_1, yet ckpt_path="last" continues the run saved in version_0."""
+    from trainer_core.loggers import CSVLogger
+
+    def run(max_steps: int, ckpt_path=None):
+        seed_everything(0)
+        model = ResumeModule()
+        trainer = Trainer(
+            **trainer_kwargs(
+                max_epochs=None,
+                max_steps=max_steps,
+                enable_checkpointing=True,
+                logger=CSVLogger(str(tmp_path)),
+                default_root_dir=str(tmp_path),
+            ),
+            callbacks=[ModelCheckpoint(every_n_train_steps=4, save_top_k=-1)],
+        )
+        trainer.fit(model, dataloader(), ckpt_path=ckpt_path)
+        return trainer, model
+
+    _, uninterrupted = run(12)
+    first, _ = run(8)
+    assert (
+        Path(first.checkpoint_callback.dirpath) == tmp_path / "lightning_logs" / "version_1" / "checkpoints"
+    )
+    second, resumed = run(12, ckpt_path="last")
+    assert Path(second.checkpoint_callback.dirpath).parent.name == "version_2"
+    assert (
+        Path(second.ckpt_path)
+        == tmp_path / "lightning_logs" / "version_1" / "checkpoints" / "epoch=0-step=8.ckpt"
+    )
+    assert resumed.losses == uninterrupted.losses[8:]

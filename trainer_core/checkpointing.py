@@ -224,9 +224,10 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: Union[str, os.PathLike]) -> O
     for cb in trainer.checkpoint_callbacks:
         if cb.dirpath is None:
             cb.setup(trainer, trainer.lightning_module, "fit")
-        found = io.latest_complete(cb.dirpath)
-        if found is not None:
-            candidates.append(found)
+        for folder in cb.resume_search_dirs():
+            found = io.latest_complete(folder)
+            if found is not None:
+                candidates.append(found)
     if not candidates:
         rank_zero_warn(
             'fit(ckpt_path="last") found no complete checkpoint; training starts from the beginning.'
