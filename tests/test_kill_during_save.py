@@ -5,7 +5,7 @@ DCP folders, or background writes with ``AsyncCheckpointIO``); it is killed at a
 after its first checkpoint; then ``fit(ckpt_path="last")`` in this process must pick a complete
 checkpoint, load it, and finish with exactly the weights of a run that was never interrupted.
 
-CI runs ``KILL_TRIALS`` trials per kind (3 by default); ``make stress`` runs 50. Each test prints
+CI kills ``KILL_TRIALS`` children per kind (3 by default); ``make stress`` kills 50. Each test prints
 its counts (trials, resumes, failures, temporary files left) and, when ``RELIABILITY_REPORT`` names
 a folder, writes them there as JSON for RELIABILITY.md.
 """
@@ -70,7 +70,7 @@ def _report(kind: str, counts: dict[str, object]) -> None:
         (Path(folder) / f"kill_{kind}.json").write_text(json.dumps(counts, indent=1))
 
 
-@pytest.mark.timeout(60 + 30 * TRIALS)
+@pytest.mark.timeout(60 + 60 * TRIALS)
 @pytest.mark.parametrize("kind", SAVE_KINDS)
 def test_sigkill_during_save_then_last_resumes_exactly(
     kind: str,
@@ -99,7 +99,7 @@ def test_sigkill_during_save_then_last_resumes_exactly(
     counts["resumed_from_sample"] = resumed_from[:10]
     _report(kind, counts)
     assert not failures, "\n".join(failures)
-    assert counts["resumes"] == TRIALS
+    assert counts["killed"] == TRIALS and counts["resumes"] == counts["trials"]
 
 
 def _trials(
@@ -113,20 +113,26 @@ def _trials(
     failures: list[str],
 ) -> None:
     counts["temporaries_left_after_resume"] = counts["killed_mid_save"] = 0
-    for trial in range(TRIALS):
+    window = KILL_WINDOW[kind]
+    trial = 0
+    while counts["killed"] < TRIALS and trial < 2 * TRIALS + 5:
+        trial += 1
         folder = tmp_path / f"trial{trial}"
         folder.mkdir()
         child = forkserver.Process(target=run_child, args=(str(folder), kind, MAX_STEPS))
         child.start()
         try:
             _wait_for_first_checkpoint(folder, child)
-            time.sleep(rng.uniform(0.0, KILL_WINDOW[kind]))
+            time.sleep(rng.uniform(0.0, window))
             child.kill()
         finally:
             child.join(timeout=30)
         counts["trials"] += 1
         if child.exitcode == 0:
+            # The child was faster than the window: not a kill (its resume is still checked), and
+            # later kills come sooner, so that TRIALS of them land mid-run.
             counts["finished_before_kill"] += 1
+            window *= 0.8
         else:
             assert child.exitcode == -signal.SIGKILL, f"trial {trial}: the child exited with {child.exitcode}"
             counts["killed"] += 1
