@@ -40,8 +40,9 @@ _MARKER_WRITER = "trainer-core"
 # Exactly the temporary names our writers make: ``.<name>.tmp-<hex id>`` (files and sharded
 # folders) and ``.<name>.tmp-old-<hex id>`` (a replaced sharded folder on its way out).
 _OWN_TEMPORARY = re.compile(r"^\..+\.tmp-(?:old-)?[0-9a-f]{8,12}$")
-# A temporary this recent is never removed: its writer may not have locked it yet.
-_TEMPORARY_MIN_AGE_S = 1.0
+# A temporary this recent is never removed: its writer locks it right after creating it, and this
+# covers the moment in between (were it hit, that writer's save would fail, never a torn file).
+_TEMPORARY_MIN_AGE_S = 0.1
 
 
 def commit_marker_path(path: str) -> str:
@@ -73,7 +74,7 @@ def remove_abandoned_temporaries(folder: str) -> list[str]:
 
     Only names of our own pattern (``.<name>.tmp-<hex>``) are candidates, so nobody else's files are
     touched; of those, only the ones no live process holds locked (see :func:`lock_temporary`) and
-    older than a second (a writer locks its temporary right after creating it) are removed.
+    older than 0.1 s (a writer locks its temporary right after creating it) are removed.
     """
     try:
         entries = list(os.scandir(folder))
