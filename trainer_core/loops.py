@@ -553,6 +553,16 @@ def _make_step(t: Trainer) -> Callable[[Any, int, bool], Any]:
     current_idx = 0
     output: Any = None
 
+    def zero_grad(batch_idx: int) -> None:
+        """At the first batch of an accumulation cycle: the hooks, then the module's zero_grad or the optimizer's."""
+        if zero_grad_hooks:
+            t._run_hooks("on_before_zero_grad", zero_grad_hooks, optimizer)
+        if custom_zero_grad:
+            t._current_fx = "optimizer_zero_grad"
+            module.optimizer_zero_grad(t.current_epoch, batch_idx, optimizer)
+        else:
+            optimizer.zero_grad()
+
     def closure() -> Optional[Tensor]:
         nonlocal output
         batch_idx = current_idx
@@ -579,13 +589,7 @@ def _make_step(t: Trainer) -> Callable[[Any, int, bool], Any]:
                 "to skip the batch."
             )
         if acc == 1 or batch_idx % acc == 0:
-            if zero_grad_hooks:
-                t._run_hooks("on_before_zero_grad", zero_grad_hooks, optimizer)
-            if custom_zero_grad:
-                t._current_fx = "optimizer_zero_grad"
-                module.optimizer_zero_grad(t.current_epoch, batch_idx, optimizer)
-            else:
-                optimizer.zero_grad()
+            zero_grad(batch_idx)
         if loss is None:
             output = None
             return None
@@ -606,13 +610,7 @@ def _make_step(t: Trainer) -> Callable[[Any, int, bool], Any]:
             nonlocal output
             batch_idx = current_idx
             if acc == 1 or batch_idx % acc == 0:
-                if zero_grad_hooks:
-                    t._run_hooks("on_before_zero_grad", zero_grad_hooks, optimizer)
-                if custom_zero_grad:
-                    t._current_fx = "optimizer_zero_grad"
-                    module.optimizer_zero_grad(t.current_epoch, batch_idx, optimizer)
-                else:
-                    optimizer.zero_grad()
+                zero_grad(batch_idx)
             t._current_fx = "training_step"
             if needs_context:
                 with precision.forward_context():
