@@ -31,7 +31,13 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
 from trainer_core import paths
-from trainer_core.checkpoint import KEY_OPTIMIZER_STATES, KEY_STATE_DICT, safe_globals, validate_checkpoint
+from trainer_core.checkpoint import (
+    KEY_LOOPS,
+    KEY_OPTIMIZER_STATES,
+    KEY_STATE_DICT,
+    safe_globals,
+    validate_checkpoint,
+)
 from trainer_core.errors import CheckpointError
 from trainer_core.paths import PathLike
 from trainer_core.plugins.io.checkpoint_io import (
@@ -205,8 +211,7 @@ class DistributedCheckpointIO(CheckpointIO):
         except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
             raise (reader.refusal or _shard_error(url, err)) from err
         checkpoint.update(tensors)
-        if KEY_OPTIMIZER_STATES in checkpoint:
-            checkpoint[KEY_OPTIMIZER_STATES] = _as_list(checkpoint[KEY_OPTIMIZER_STATES])
+        _restore_empty_containers(checkpoint)
         if map_location is not None:
             checkpoint = _map(checkpoint, map_location)
         validate_checkpoint(checkpoint, url)
@@ -437,6 +442,24 @@ def _shard_error(url: str, err: BaseException) -> CheckpointError:
         f"Could not read the sharded checkpoint {url}: a shard is missing, truncated or does not match its "
         f"{METADATA_FILE} ({_cause(err)}). Use another checkpoint."
     )
+
+
+def _restore_empty_containers(checkpoint: dict[str, Any]) -> None:
+    """Put back the empty containers DCP does not store, in place.
+
+    DCP writes leaves only: an optimizer that holds no per-parameter state (plain SGD, or any
+    optimizer before its first step) comes back without its ``"state"`` key, and a run without
+    optimizers without ``optimizer_states``; both are part of the format.
+    """
+    if KEY_OPTIMIZER_STATES not in checkpoint:
+        if KEY_LOOPS in checkpoint:  # a full checkpoint (not weights-only) always has the list
+            checkpoint[KEY_OPTIMIZER_STATES] = []
+        return
+    states = _as_list(checkpoint[KEY_OPTIMIZER_STATES])
+    for state in states:
+        if isinstance(state, dict) and "param_groups" in state:
+            state.setdefault("state", {})
+    checkpoint[KEY_OPTIMIZER_STATES] = states
 
 
 def _as_list(value: Any) -> list[Any]:
