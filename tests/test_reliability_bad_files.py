@@ -362,3 +362,15 @@ def test_random_modules_and_optimizers_round_trip(
     _step(fresh, fresh_opt, 99)
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_state_dict_check_passes_over_meta_tensors() -> None:
+    """Layers a pipeline rank does not hold live on the meta device: they have shapes but no values."""
+    from trainer_core.checkpoint.format import check_state_dict_matches
+
+    real = {"w": torch.zeros(2, 3), "b": torch.zeros(3)}
+    meta = {"w": torch.empty(2, 3, device="meta"), "b": torch.zeros(3)}
+    check_state_dict_matches(real, meta, "x.ckpt")
+    check_state_dict_matches(meta, meta, "x.ckpt")
+    with pytest.raises(CheckpointError, match="NaN"):
+        check_state_dict_matches(real, {**meta, "b": torch.full((3,), float("nan"))}, "x.ckpt")

@@ -170,10 +170,12 @@ def _dtype_kind(value: Any) -> str | None:
 
 
 def _has_nan(value: Any) -> bool:
-    # Only plain tensors: a DTensor's check would be a collective; NaN, not inf (masks hold -inf).
+    # Only plain tensors with data: a DTensor's check would be a collective, a meta tensor has no
+    # values; NaN, not inf (masks hold -inf).
     return (
         type(value) in (torch.Tensor, torch.nn.Parameter)
         and value.is_floating_point()
+        and not value.is_meta
         and bool(torch.isnan(value).any())
     )
 
