@@ -10,6 +10,7 @@ instead of leaving the others blocked in a collective until its timeout.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -166,13 +168,22 @@ class SpawnLauncher:
         os.environ["MASTER_ADDR"] = self.environment.main_address
         os.environ["MASTER_PORT"] = str(self.environment.main_port)
         with tempfile.TemporaryDirectory(prefix="trainer-core-spawn-") as folder:
-            # start_processes raises (with the rank's traceback) if any rank fails, and ends the others.
-            torch.multiprocessing.start_processes(
+            from trainer_core.checkpointing import collect_rng_states
+
+            # Every rank starts from this process's random state (seeded by seed_everything), as
+            # forked ranks would: a spawned interpreter would otherwise start from torch's default.
+            rng_states = collect_rng_states()
+            context = torch.multiprocessing.start_processes(
                 _spawned_rank,
-                args=(self.num_processes, trainer, function, args, kwargs, folder),
+                args=(self.num_processes, trainer, function, args, kwargs, folder, rng_states),
                 nprocs=self.num_processes,
                 start_method=self.start_method,
+                join=False,
             )
+            # join raises (with the rank's traceback) if any rank fails, and ends the others.
+            with _forward_preemption_signals([process.pid for process in context.processes]):
+                while not context.join():
+                    pass
             # Written moments ago by our own rank 0 in a private folder: trusted, so a full unpickle
             # is fine (predictions may hold any object the user's predict_step returned).
             outcome = torch.load(os.path.join(folder, _OUTCOME_FILE), weights_only=False)
@@ -189,9 +200,13 @@ def _spawned_rank(
     args: tuple,
     kwargs: dict,
     folder: str,
+    rng_states: dict[str, Any],
 ) -> None:
+    from trainer_core.checkpointing import apply_rng_states
+
     os.environ["LOCAL_RANK"] = str(local_rank)
     os.environ["WORLD_SIZE"] = str(num_processes)
+    apply_rng_states(rng_states)
     if trainer is not None and trainer.lightning_module is not None:
         # torch.multiprocessing hands CPU tensors to the children in shared memory: without a
         # private copy every rank would step the very same parameters.
@@ -210,6 +225,7 @@ def _spawned_rank(
             k: v.cpu() if hasattr(v, "cpu") else v for k, v in trainer.callback_metrics.items()
         }
         outcome["global_step"] = trainer.global_step
+        outcome["preempted"] = bool(getattr(trainer, "_preempted", False))
         outcome["current_epoch"] = trainer.current_epoch
         outcome["callbacks"] = [cb.state_dict() for cb in trainer.callbacks]
     torch.save(outcome, os.path.join(folder, _OUTCOME_FILE))
@@ -217,6 +233,8 @@ def _spawned_rank(
 
 def _adopt_rank_zero_state(trainer: Any, outcome: dict[str, Any]) -> None:
     """Put rank 0's trained weights and counters into the caller's trainer and module."""
+    # The ranks saved and stopped on a pre-emption signal: the caller's fit ends the job the same way.
+    trainer._preempted = outcome.get("preempted", False)
     if outcome.get("weights") is None or trainer.lightning_module is None:
         return
     trainer.lightning_module.load_state_dict(outcome["weights"])
@@ -226,3 +244,31 @@ def _adopt_rank_zero_state(trainer: Any, outcome: dict[str, Any]) -> None:
     for cb, cb_state in zip(trainer.callbacks, outcome.get("callbacks", [])):
         if cb_state:
             cb.load_state_dict(cb_state)
+
+
+@contextlib.contextmanager
+def _forward_preemption_signals(pids: list[int]) -> Iterator[None]:
+    """While the spawned ranks run, pass SIGTERM/SIGUSR1 sent to this process on to them.
+
+    A scheduler that pre-empts the job may signal only the process it started; the ranks then save
+    a checkpoint together and stop, and this process ends the job as they do.
+    """
+    from trainer_core.signals import PREEMPTION_SIGNALS
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: Any) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    previous = {signum: signal.signal(signum, forward) for signum in PREEMPTION_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)

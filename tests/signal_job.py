@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--ready-step", type=int, default=0)
     parser.add_argument("--slow", type=float, default=0.0)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--plugin", default=None, help="default: single_device for 1 device, else ddp")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out).resolve()
@@ -90,7 +91,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(96, 8, generator=g), torch.randn(96, 1, generator=g))
     trainer = Trainer(
-        plugins="single_device" if args.devices == 1 else "ddp",
+        plugins=args.plugin or ("single_device" if args.devices == 1 else "ddp"),
         devices=args.devices,
         max_steps=args.max_steps,
         logger=False,

@@ -392,7 +392,7 @@ def test_resume_under_another_plugin_and_world_size(
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("plugin", ["ddp", "ddp_sharded", "fsdp_sharded"])
+@pytest.mark.parametrize("plugin", ["ddp", "ddp_spawn", "ddp_sharded", "fsdp_sharded"])
 def test_resume_at_the_same_world_size_is_exact(tmp_path: Path, plugin: str) -> None:
     common = ("--plugin", plugin, "--devices", "2", "--dropout", "0.3", "--shuffle")
     _run(tmp_path, "--out", "full", *common, "--ckpt-every-steps", "3")

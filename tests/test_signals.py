@@ -57,7 +57,8 @@ def _interrupt(cwd: Path, out: str, signum: int, rank: int, *args: str, timeout:
             assert proc.poll() is None, f"the run ended before it was ready:\n{proc.communicate()[1][-6000:]}"
             assert time.monotonic() < deadline, "the run never got ready"
             time.sleep(0.02)
-        pid = int((cwd / out / f"pid.rank{rank}").read_text())
+        # rank -1: the process the user started (under ddp_spawn it runs no rank itself).
+        pid = proc.pid if rank == -1 else int((cwd / out / f"pid.rank{rank}").read_text())
         os.kill(pid, signum)
         _, stderr = proc.communicate(timeout=timeout)
     finally:
@@ -116,6 +117,22 @@ def test_two_ranks_save_the_same_step_when_only_one_is_signalled(tmp_path: Path)
     assert steps[0] == steps[1] and len(steps[0]) == 1, steps
     assert 2 <= steps[0][0] < 40
     assert (run / "ckpts" / PREEMPTED_CHECKPOINT).is_file()
+
+    _run(tmp_path, "--out", "run", *args, "--resume", "last", timeout=150)
+    for rank in (0, 1):
+        _assert_same_run(run, tmp_path / "ref", rank)
+
+
+@pytest.mark.timeout(200)
+def test_ddp_spawn_passes_a_signal_to_its_ranks_and_ends_the_job_cleanly(tmp_path: Path) -> None:
+    """The scheduler signals the process it started; the spawned ranks save together and it exits 0."""
+    args = ("--devices", "2", "--plugin", "ddp_spawn", "--max-steps", "40")
+    _run(tmp_path, "--out", "ref", *args, timeout=150)
+    _interrupt(tmp_path, "run", signal.SIGTERM, -1, *args, "--ready-step", "2", "--slow", "0.25", timeout=150)
+    run = tmp_path / "run"
+    steps = [json.loads((run / f"saved.rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert steps[0] == steps[1] and len(steps[0]) == 1 and 2 <= steps[0][0] < 40, steps
+    assert not (run / "final.rank0.pt").exists(), "the signalled run must stop, not train to the end"
 
     _run(tmp_path, "--out", "run", *args, "--resume", "last", timeout=150)
     for rank in (0, 1):
