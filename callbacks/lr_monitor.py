@@ -97,7 +97,7 @@ class LearningRateMonitor(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         # Lightning's ``should_update_logs``: the batch about to run is a logging step.
-        if (trainer._batches_that_stepped + 1) % trainer.log_every_n_steps != 0 and not trainer.should_stop:
+        if (trainer.batches_that_stepped + 1) % trainer.log_every_n_steps != 0 and not trainer.should_stop:
             return
         if self.logging_interval != "epoch":
             interval = "step" if self.logging_interval is None else "any"
@@ -113,7 +113,7 @@ class LearningRateMonitor(Callback):
         if stats:
             # The step Lightning uses: ``fit_loop.epoch_loop._batches_that_stepped``, the same step
             # the training metrics of the coming batch are logged at.
-            trainer._log_metrics(stats, step=trainer._batches_that_stepped)
+            trainer._log_metrics(stats, step=trainer.batches_that_stepped)
 
     # ------------------------------------------------------------------ values
     def _extract_stats(self, trainer: Trainer, interval: str) -> dict[str, float]:

@@ -150,7 +150,7 @@ class TQDMProgressBar(ProgressBar):
         rate = self.refresh_rate
         if rate == 1:
             bar.update(1)
-        elif (batch_idx + 1) % rate == 0 or trainer._is_last_batch:
+        elif (batch_idx + 1) % rate == 0 or trainer.is_last_batch:
             bar.update(batch_idx + 1 - bar.n)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

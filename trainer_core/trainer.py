@@ -602,6 +602,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ properties users read
     @property
+    def is_last_batch(self) -> bool:
+        """Whether the training batch being processed is the last of its epoch (Lightning's name)."""
+        return self._is_last_batch
+
+    @property
+    def batches_that_stepped(self) -> int:
+        """Training batches that ended in an optimizer step: the step loggers record metrics at."""
+        return self._batches_that_stepped
+
+    @property
     def strategy(self) -> Any:
         """Lightning's name for the plugin."""
         return self.plugin
