@@ -538,7 +538,7 @@ class PipelinePlugin(DDPPlugin):
 
     def prepare_optimizer_state(self, optimizer: Optimizer, named_state: dict[str, Any], path: str) -> Any:
         """Check the name-keyed state against the whole module, then give each part its own parameters' state."""
-        from trainer_core.checkpoint import optimizer_state_from_names
+        from trainer_core.checkpoint import optimizer_state_from_names, select_named_state
 
         module = self._lightning_module
         assert module is not None
@@ -559,15 +559,10 @@ class PipelinePlugin(DDPPlugin):
         parts = list(optimizer.optimizers) if isinstance(optimizer, OptimizersContainer) else [optimizer]
         prepared = []
         for opt in parts:
-            mine = {names[p] for group in opt.param_groups for p in group["params"]}
-            groups = [
-                {**g, "params": [n for n in g["params"] if n in mine]} for g in named_state["param_groups"]
-            ]
-            part_state = {
-                "state": {n: v for n, v in named_state.get("state", {}).items() if n in mine},
-                "param_groups": [g for g in groups if g["params"]],
-            }
-            prepared.append(optimizer_state_from_names(part_state, opt, names, path))
+            mine = [names[p] for group in opt.param_groups for p in group["params"]]
+            prepared.append(
+                optimizer_state_from_names(select_named_state(named_state, mine), opt, names, path)
+            )
         return {"parts": prepared} if isinstance(optimizer, OptimizersContainer) else prepared[0]
 
     def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
@@ -737,22 +732,11 @@ def _check_pipelined_module(module: LightningModule) -> None:
 
 
 def _merge_parts(parts: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
-    """Name-keyed states of several parts as one, in stage order, param groups with equal settings merged."""
-    state: dict[str, Any] = {}
-    groups: list[dict[str, Any]] = []
-    for _, part in sorted(parts, key=lambda entry: entry[0]):
-        if not part:
-            continue
-        state.update(part.get("state", {}))
-        for group in part.get("param_groups", []):
-            settings = {k: v for k, v in group.items() if k != "params"}
-            for existing in groups:
-                if {k: v for k, v in existing.items() if k != "params"} == settings:
-                    existing["params"] = [*existing["params"], *group["params"]]
-                    break
-            else:
-                groups.append({**settings, "params": list(group["params"])})
-    return {"state": state, "param_groups": groups} if groups else {}
+    """Name-keyed states of several ``(stage id, state)`` parts as one, in stage order."""
+    from trainer_core.checkpoint import merge_named_states
+
+    merged = merge_named_states(part for _, part in sorted(parts, key=lambda entry: entry[0]))
+    return merged if merged["param_groups"] else {}
 
 
 class _NoData:

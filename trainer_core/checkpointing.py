@@ -34,9 +34,12 @@ from trainer_core.checkpoint import (
     KEY_STATE_DICT,
     KEY_VERSION,
     check_state_dict_matches,
+    merge_named_states,
+    select_named_state,
     validate_checkpoint,
 )
 from trainer_core.errors import CheckpointError
+from trainer_core.optim import rebase_learning_rates
 from trainer_core.utilities import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -276,7 +279,7 @@ def restore_checkpoint(
     for config, state in zip(plugin.lr_scheduler_configs, scheduler_states):
         config.scheduler.load_state_dict(state)
         if regrouped:
-            _rebase_learning_rates(config.scheduler)
+            rebase_learning_rates(config.scheduler)
     _take_pending_plateau_steps(trainer, checkpoint[KEY_LOOPS])
     plugin.precision.load_state_dict(checkpoint.get(KEY_PRECISION, {}))
     callback_states = checkpoint.get(KEY_CALLBACKS, {})
@@ -301,39 +304,13 @@ def _optimizer_states_for(trainer: Trainer, saved: list[dict[str, Any]], path: s
         return [plugin.prepare_optimizer_state(opt, state, path) for state, opt in zip(saved, optimizers)]
     if not saved:
         raise CheckpointError(f"{path} holds no optimizer state; resume from a full checkpoint.")
-    pooled: dict[str, Any] = {}
-    groups: list[dict[str, Any]] = []
-    for state in saved:
-        if not state:
-            continue
-        pooled.update(state.get("state", {}))
-        groups.extend(state.get("param_groups", []))
-    groups = _merge_equal_groups(groups)
+    pooled = merge_named_states(saved)
     names = {param: name for name, param in trainer.lightning_module.named_parameters()}  # type: ignore[union-attr]
     prepared = []
     for opt in optimizers:
-        mine = {names[p] for group in opt.param_groups for p in group["params"] if p in names}
-        part_groups = [{**g, "params": [n for n in g["params"] if n in mine]} for g in groups]
-        part = {
-            "state": {n: v for n, v in pooled.items() if n in mine},
-            "param_groups": [g for g in part_groups if g["params"]],
-        }
-        prepared.append(plugin.prepare_optimizer_state(opt, part, path))
+        mine = [names[p] for group in opt.param_groups for p in group["params"] if p in names]
+        prepared.append(plugin.prepare_optimizer_state(opt, select_named_state(pooled, mine), path))
     return prepared
-
-
-def _merge_equal_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Saved param groups with the same hyper-parameters become one (parts of one split model)."""
-    merged: list[dict[str, Any]] = []
-    for group in groups:
-        settings = {k: v for k, v in group.items() if k != "params"}
-        for existing in merged:
-            if {k: v for k, v in existing.items() if k != "params"} == settings:
-                existing["params"] = [*existing["params"], *group["params"]]
-                break
-        else:
-            merged.append({**settings, "params": list(group["params"])})
-    return merged
 
 
 def _scheduler_states_for(saved: list[dict[str, Any]], count: int, path: str) -> list[dict[str, Any]]:
@@ -371,18 +348,6 @@ def _take_pending_plateau_steps(trainer: Trainer, loops: dict[str, Any]) -> None
         due = (loops["epoch"] + 1) % config.frequency == 0
         if config.reduce_on_plateau and config.interval == "epoch" and due and config.monitor in pending:
             trainer._call_module_hook("lr_scheduler_step", config.scheduler, pending[config.monitor])
-
-
-def _rebase_learning_rates(scheduler: Any) -> None:
-    """After loading another part's scheduler state: base and last rates from this scheduler's own optimizer."""
-    nested = getattr(scheduler, "_schedulers", None)
-    for inner in nested or ():
-        _rebase_learning_rates(inner)
-    groups = scheduler.optimizer.param_groups
-    if hasattr(scheduler, "base_lrs"):
-        scheduler.base_lrs = [group.get("initial_lr", group["lr"]) for group in groups]
-    if hasattr(scheduler, "_last_lr"):
-        scheduler._last_lr = [group["lr"] for group in groups]
 
 
 def _restore_loops(trainer: Trainer, checkpoint: dict[str, Any]) -> None:

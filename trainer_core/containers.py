@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional
 
 from torch.optim import Optimizer
 
+from trainer_core.optim import rebase_learning_rates
+
 
 class OptimizersContainer(Optimizer):
     """Optimizers of the model parts, stepped, zeroed, saved and loaded together.
@@ -168,19 +170,8 @@ class LRSchedulersContainer:
             # A scheduler keeps references into the dict it loads: each part gets its own copy.
             scheduler.load_state_dict(copy.deepcopy(state_dict))
             if len(getattr(scheduler, "base_lrs", ())) != len(scheduler.optimizer.param_groups):
-                _rebase(scheduler)
+                rebase_learning_rates(scheduler)
 
     def __repr__(self) -> str:
         inner = ", ".join(type(s).__name__ for s in self.schedulers)
         return f"LRSchedulersContainer({inner})"
-
-
-def _rebase(scheduler: Any) -> None:
-    """Base and last rates from the scheduler's own optimizer (after loading another part's state)."""
-    for inner in getattr(scheduler, "_schedulers", None) or ():
-        _rebase(inner)
-    groups = scheduler.optimizer.param_groups
-    if hasattr(scheduler, "base_lrs"):
-        scheduler.base_lrs = [group.get("initial_lr", group["lr"]) for group in groups]
-    if hasattr(scheduler, "_last_lr"):
-        scheduler._last_lr = [group["lr"] for group in groups]

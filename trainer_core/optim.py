@@ -192,6 +192,17 @@ def optimizer_defaults(optimizer: Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
+def rebase_learning_rates(scheduler: Any) -> None:
+    """After loading another part's scheduler state: base and last rates from this scheduler's own optimizer."""
+    for inner in getattr(scheduler, "_schedulers", None) or ():
+        rebase_learning_rates(inner)
+    groups = scheduler.optimizer.param_groups
+    if hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [group.get("initial_lr", group["lr"]) for group in groups]
+    if hasattr(scheduler, "_last_lr"):
+        scheduler._last_lr = [group["lr"] for group in groups]
+
+
 def get_lr(optimizer: Any) -> float:
     """The learning rate ``optimizer`` steps with, when all its parameter groups share one.
 

@@ -27,9 +27,11 @@ from trainer_core.checkpoint.format import (
     validate_checkpoint,
 )
 from trainer_core.checkpoint.optimizer import (
+    merge_named_states,
     optimizer_state_from_names,
     optimizer_state_to_names,
     parameter_names,
+    select_named_state,
 )
 
 __all__ = [
@@ -52,10 +54,12 @@ __all__ = [
     "check_state_dict_matches",
     "decode_byte_payloads",
     "encode_byte_payloads",
+    "merge_named_states",
     "optimizer_state_from_names",
     "optimizer_state_to_names",
     "parameter_names",
     "register_safe_globals",
     "safe_globals",
+    "select_named_state",
     "validate_checkpoint",
 ]

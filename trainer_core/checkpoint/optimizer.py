@@ -17,7 +17,7 @@ rank 0) passes through both conversions unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -161,3 +161,38 @@ def optimizer_state_from_names(
             index += 1
         param_groups.append(group)
     return {_STATE: state, _PARAM_GROUPS: param_groups}
+
+
+def merge_named_states(states: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Name-keyed states of several parts of one model as one; param groups with equal settings merge.
+
+    The parts of a split model (pipeline stages, one optimizer per part) each hold some of the
+    model's parameters under the same hyper-parameters; merged, they read like one optimizer's state.
+    """
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    for part in states:
+        if not part:
+            continue
+        state.update(part.get("state", {}))
+        for group in part.get("param_groups", []):
+            settings = {k: v for k, v in group.items() if k != "params"}
+            for existing in groups:
+                if {k: v for k, v in existing.items() if k != "params"} == settings:
+                    existing["params"] = [*existing["params"], *group["params"]]
+                    break
+            else:
+                groups.append({**settings, "params": list(group["params"])})
+    return {"state": state, "param_groups": groups}
+
+
+def select_named_state(named_state: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
+    """The part of a name-keyed state that belongs to the parameters ``names`` (groups left empty dropped)."""
+    wanted = set(names)
+    groups = [
+        {**g, "params": [n for n in g["params"] if n in wanted]} for g in named_state.get("param_groups", [])
+    ]
+    return {
+        "state": {n: v for n, v in named_state.get("state", {}).items() if n in wanted},
+        "param_groups": [g for g in groups if g["params"]],
+    }
