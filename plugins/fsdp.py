@@ -19,7 +19,7 @@ from lightning_utilities.core.overrides import is_overridden
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer_core.errors import CheckpointError, MisconfigurationException
+from trainer_core.errors import MisconfigurationException
 from trainer_core.module import LightningModule
 from trainer_core.plugins.ddp import DDPPlugin
 
@@ -191,18 +191,10 @@ class FSDPPlugin(DDPPlugin):
         return get_optimizer_state_dict(self._lightning_module, optimizer, options=self._options(self._full))
 
     def prepare_optimizer_state(self, optimizer: Optimizer, named_state: dict[str, Any], path: str) -> Any:
-        wanted = {name for name, p in self._lightning_module.named_parameters() if p.requires_grad}  # type: ignore[union-attr]
-        saved = set(named_state.get("state", {})) | {
-            n for g in named_state.get("param_groups", []) for n in g["params"]
-        }
-        missing = sorted(wanted - saved)
-        unexpected = sorted(saved - wanted)
-        if missing or unexpected:
-            raise CheckpointError(
-                f"the optimizer state in {path} does not match {type(optimizer).__name__}: parameters the checkpoint "
-                f"lacks {missing[:20]}, parameters the optimizer lacks {unexpected[:20]}. configure_optimizers must "
-                "optimize the same parameters as the run that saved the checkpoint."
-            )
+        from trainer_core.checkpoint import check_named_state_covers
+
+        assert self._lightning_module is not None
+        check_named_state_covers(named_state, self._lightning_module, type(optimizer).__name__, path)
         return named_state
 
     def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:

@@ -538,23 +538,17 @@ class PipelinePlugin(DDPPlugin):
 
     def prepare_optimizer_state(self, optimizer: Optimizer, named_state: dict[str, Any], path: str) -> Any:
         """Check the name-keyed state against the whole module, then give each part its own parameters' state."""
-        from trainer_core.checkpoint import optimizer_state_from_names, select_named_state
+        from trainer_core.checkpoint import (
+            check_named_state_covers,
+            optimizer_state_from_names,
+            select_named_state,
+        )
 
         module = self._lightning_module
         assert module is not None
         if not named_state:
             return {}
-        wanted = {name for name, p in module.named_parameters() if p.requires_grad}
-        saved = set(named_state.get("state", {})) | {
-            n for g in named_state.get("param_groups", []) for n in g["params"]
-        }
-        missing, unexpected = sorted(wanted - saved), sorted(saved - wanted)
-        if missing or unexpected:
-            raise CheckpointError(
-                f"the optimizer state in {path} does not match {type(module).__name__}: parameters the checkpoint "
-                f"lacks {missing[:_MAX_LISTED]}, parameters the model lacks {unexpected[:_MAX_LISTED]}. "
-                "configure_optimizers must optimize the same parameters as the run that saved the checkpoint."
-            )
+        check_named_state_covers(named_state, module, type(module).__name__, path)
         names = self._param_names()
         parts = list(optimizer.optimizers) if isinstance(optimizer, OptimizersContainer) else [optimizer]
         prepared = []

@@ -27,6 +27,7 @@ from trainer_core.checkpoint.format import (
     validate_checkpoint,
 )
 from trainer_core.checkpoint.optimizer import (
+    check_named_state_covers,
     merge_named_states,
     optimizer_state_from_names,
     optimizer_state_to_names,
@@ -51,6 +52,7 @@ __all__ = [
     "KEY_VERSION",
     "REQUIRED_KEYS",
     "RESUME_KEYS",
+    "check_named_state_covers",
     "check_state_dict_matches",
     "decode_byte_payloads",
     "encode_byte_payloads",

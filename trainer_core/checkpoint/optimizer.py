@@ -196,3 +196,24 @@ def select_named_state(named_state: Mapping[str, Any], names: Iterable[str]) -> 
         "state": {n: v for n, v in named_state.get("state", {}).items() if n in wanted},
         "param_groups": [g for g in groups if g["params"]],
     }
+
+
+def check_named_state_covers(
+    named_state: Mapping[str, Any], module: nn.Module, owner: str, path: str
+) -> None:
+    """Raise unless a name-keyed state names exactly ``module``'s trainable parameters.
+
+    For plugins that load a whole model's state into parts of it (FSDP shards, pipeline stages),
+    where the per-optimizer check of :func:`optimizer_state_from_names` cannot see the whole.
+    """
+    wanted = {name for name, p in module.named_parameters() if p.requires_grad}
+    saved = set(named_state.get("state", {})) | {
+        n for g in named_state.get("param_groups", []) for n in g["params"]
+    }
+    missing, unexpected = sorted(wanted - saved), sorted(saved - wanted)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"the optimizer state in {path} does not match {owner}: parameters the checkpoint lacks "
+            f"{missing[:20]}, parameters the model lacks {unexpected[:20]}. configure_optimizers must optimize "
+            "the same parameters as the run that saved the checkpoint."
+        )
