@@ -155,7 +155,9 @@ class ModelCheckpoint(Callback):
         self.current_score: Optional[torch.Tensor] = None
         # Checkpoints this callback wrote (this run or the one it resumed): the only ones it may delete.
         self._written: set[str] = set()
-        self._last_global_step_saved = -1
+        # Lightning's rule: nothing is saved before the first optimizer step, and a step is saved once
+        # (so a batch that only accumulates gradients never triggers a step-based save).
+        self._last_global_step_saved = 0
         # The checkpoint written last and at which step: what ``save_last="link"`` points at.
         self._last_checkpoint_saved = ""
         self._last_checkpoint_step = -1
@@ -210,6 +212,8 @@ class ModelCheckpoint(Callback):
         return found
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # A resumed run's step was saved (or not due) in the run that wrote the checkpoint.
+        self._last_global_step_saved = max(self._last_global_step_saved, trainer.global_step)
         self._last_time_checked = time.monotonic()
 
     def on_train_batch_end(

@@ -37,6 +37,11 @@ class TrainingTypePlugin:
     name: str = "base"
     #: Why ``Trainer(optimizer_in_backward=True)`` cannot run under this plugin, or ``None`` when it can.
     optimizer_in_backward_unsupported: Optional[str] = None
+    #: Why a checkpoint written between two optimizer steps of gradient accumulation does not resume
+    #: exactly under this plugin (the gradients accumulated so far are not saved), or ``None``.
+    mid_accumulation_gradients_unsaved: Optional[str] = None
+    #: Why this process cannot write a full checkpoint (one that resumes the run) right now, or ``None``.
+    full_checkpoint_unavailable: Optional[str] = None
 
     def __init__(self, checkpoint_io: Optional[CheckpointIO] = None) -> None:
         self._checkpoint_io = checkpoint_io

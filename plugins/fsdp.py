@@ -43,6 +43,10 @@ class FSDPPlugin(DDPPlugin):
     """
 
     name = "fsdp"
+    mid_accumulation_gradients_unsaved = (
+        "while gradient synchronisation is off between two optimizer steps, FSDP keeps the accumulated gradients "
+        "unsharded inside its own parameters, out of reach of the checkpoint"
+    )
     # FSDP2 runs post-accumulate-grad hooks on the sharded gradient after its reduce-scatter.
     optimizer_in_backward_unsupported = None
 
@@ -101,6 +105,8 @@ class FSDPPlugin(DDPPlugin):
         self._trainer = trainer
         module = self._lightning_module
         assert module is not None
+        if trainer.training:
+            self.check_module_for_data_parallel()
         self.precision.convert_module(module)
         self.model_to_device()
         self._shard(module)
@@ -139,6 +145,12 @@ class FSDPPlugin(DDPPlugin):
 
     def wrap_model(self, module: nn.Module) -> nn.Module:
         return module
+
+    def _running_stats_note(self) -> str:
+        return (
+            "FSDP does not synchronise buffers, so every rank keeps running statistics of its own samples, and "
+            "the checkpoint holds rank 0's"
+        )
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self._lightning_module is not None
@@ -188,7 +200,10 @@ class FSDPPlugin(DDPPlugin):
         """Keyed by parameter name already (torch's fully-qualified names of the module)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self._lightning_module, optimizer, options=self._options(self._full))
+        with _no_state_initialisation(optimizer):
+            return get_optimizer_state_dict(
+                self._lightning_module, optimizer, options=self._options(self._full)
+            )
 
     def prepare_optimizer_state(self, optimizer: Optimizer, named_state: dict[str, Any], path: str) -> Any:
         from trainer_core.checkpoint import check_named_state_covers
@@ -215,14 +230,19 @@ class FSDPPlugin(DDPPlugin):
         template: dict[str, Any] = {
             "state_dict": get_model_state_dict(self._lightning_module, options=options)
         }
-        if self.optimizers:
-            template["optimizer_states"] = [
-                get_optimizer_state_dict(self._lightning_module, opt, options=options)
-                for opt in self.optimizers
-            ]
-        io = self.checkpoint_io
+        io = getattr(self.checkpoint_io, "checkpoint_io", self.checkpoint_io)  # through AsyncCheckpointIO
         if not isinstance(io, DistributedCheckpointIO):
             io = DistributedCheckpointIO()
+        if self.optimizers:
+            stored = io.stored_keys(filepath)
+            states = []
+            for index, opt in enumerate(self.optimizers):
+                # torch's helper creates the state tensors for DCP to fill; an optimizer saved before
+                # its first step has none to fill, and must not be stepped to make them.
+                saved_state = any(key.startswith(f"optimizer_states.{index}.state.") for key in stored)
+                with contextlib.nullcontext() if saved_state else _no_state_initialisation(opt):
+                    states.append(get_optimizer_state_dict(self._lightning_module, opt, options=options))
+            template["optimizer_states"] = states
         return io.load_into(filepath, template)
 
     def save_checkpoint(
@@ -267,3 +287,23 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, (list, tuple)):
         for value in obj:
             yield from _tensors(value)
+
+
+@contextlib.contextmanager
+def _no_state_initialisation(optimizer: Optimizer) -> Iterator[None]:
+    """Keep torch's ``get_optimizer_state_dict`` from stepping an optimizer that has not stepped yet.
+
+    Given an optimizer without state and without gradients, it initialises the state by stepping
+    with zero gradients (Adam's step count becomes 1) and then drops every gradient, so a
+    checkpoint written before the first step (between two batches that accumulate, say) would
+    change the run. With one gradient in sight it leaves the optimizer as it is.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if optimizer.state or not params or any(p.grad is not None for p in params):
+        yield
+        return
+    params[0].grad = torch.zeros_like(params[0])
+    try:
+        yield
+    finally:
+        params[0].grad = None

@@ -165,6 +165,8 @@ class SpawnLauncher:
         return self.start_method == "fork"
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if trainer is not None:
+            trainer.plugin.full_checkpoint_unavailable = None
         os.environ["MASTER_ADDR"] = self.environment.main_address
         os.environ["MASTER_PORT"] = str(self.environment.main_port)
         with tempfile.TemporaryDirectory(prefix="trainer-core-spawn-") as folder:
@@ -189,6 +191,11 @@ class SpawnLauncher:
             outcome = torch.load(os.path.join(folder, _OUTCOME_FILE), weights_only=False)
             if trainer is not None:
                 _adopt_rank_zero_state(trainer, outcome)
+                trainer.plugin.full_checkpoint_unavailable = (
+                    "the ranks that ddp_spawn started have ended, and this process holds rank 0's weights but not the "
+                    "optimizer, scheduler, loop and RNG states a resumed run needs. Save during fit (ModelCheckpoint, "
+                    "or save_checkpoint in a callback), pass weights_only=True, or use plugins='ddp'"
+                )
         return outcome["result"]
 
 

@@ -196,3 +196,27 @@ def test_stateful_dataloader_resumes_mid_epoch(tmp_path: Path) -> None:
     assert resumed.losses == full.losses[-len(resumed.losses) :]
     for a, b in zip(full.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "stop",
+    [pytest.param({"max_steps": 5}, id="max_steps-mid-epoch"), pytest.param({"max_epochs": 1}, id="max_epochs")],
+)
+def test_checkpoint_saved_after_fit_resumes_exactly_in_a_new_process(tmp_path: Path, stop: dict) -> None:
+    """Train for a budget, save after ``fit`` returned, continue in the next job: the run that never stopped."""
+    budget = {"max_steps": 30, "max_epochs": -1}
+    seed_everything(42)
+    full = ResumeModule()
+    Trainer(**trainer_kwargs(**budget)).fit(full, dataloader(), dataloader(shuffle=False))
+    seed_everything(42)
+    part = ResumeModule()
+    trainer = Trainer(**trainer_kwargs(**{"max_epochs": -1, **stop}))
+    trainer.fit(part, dataloader(), dataloader(shuffle=False))
+    ckpt = tmp_path / "after_fit.ckpt"
+    trainer.save_checkpoint(ckpt)
+    losses, state = _resume_in_new_process(tmp_path, ckpt, extra=budget)
+    assert len(part.losses) + len(losses) == len(full.losses) == 30
+    assert losses == full.losses[len(part.losses) :]
+    for name, tensor in full.state_dict().items():
+        assert torch.equal(tensor, state[name]), name

@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 
 KEY_DATAMODULE = "datamodule"
 KEY_RNG_PER_RANK = "rng_states_per_rank"
+# Inside ``loops``: what each rank holds for itself, and (rank 0's) at the top for another world size.
+KEY_LOOP_PER_RANK = "per_rank"
+KEY_LOOP_DATALOADER = "dataloader"
+KEY_LOOP_GRADS = "accumulated_grads"
 
 
 # ---------------------------------------------------------------------- RNG
@@ -110,8 +114,9 @@ def _is_plain(value: Any) -> bool:
 
 def loop_state(trainer: Trainer) -> dict[str, Any]:
     """Where the fit loop stands: enough to continue on the very next batch."""
+    epoch = trainer._loop_epoch
     state: dict[str, Any] = {
-        "epoch": trainer.current_epoch,
+        "epoch": trainer.current_epoch if epoch is None else epoch,
         "batches_done_in_epoch": trainer._batches_done_in_epoch,
         "epoch_finished": trainer._epoch_finished,
         "total_batch_idx": trainer.total_batch_idx,
@@ -146,8 +151,15 @@ def loop_state(trainer: Trainer) -> dict[str, Any]:
         # A DistributedSampler shuffles from its own seed (from seed_everything): a resumed process
         # seeded differently must still draw the saved run's order.
         state["sampler_seed"] = seed
+    return state
+
+
+def rank_loop_state(trainer: Trainer) -> dict[str, Any]:
+    """The parts of the loop position each rank holds for itself: its loader's state, its gradients."""
+    state: dict[str, Any] = {}
+    loader = trainer.train_dataloader
     if loader is not None and callable(getattr(loader, "state_dict", None)):
-        state["dataloader"] = loader.state_dict()
+        state[KEY_LOOP_DATALOADER] = loader.state_dict()
     module = trainer.lightning_module
     mid_cycle = (
         module is not None
@@ -156,12 +168,29 @@ def loop_state(trainer: Trainer) -> dict[str, Any]:
         and trainer._batches_done_in_epoch % trainer.accumulate_grad_batches != 0
         and not trainer._epoch_finished
     )
-    if mid_cycle:
-        # Saved between two optimizer steps: keep the gradients accumulated so far.
-        state["accumulated_grads"] = {
-            name: p.grad.detach().clone() for name, p in module.named_parameters() if p.grad is not None
+    unsaved = (
+        trainer.plugin.mid_accumulation_gradients_unsaved if mid_cycle and trainer.world_size > 1 else None
+    )
+    if unsaved:
+        rank_zero_warn(
+            f"This checkpoint is written between two optimizer steps (accumulate_grad_batches="
+            f"{trainer.accumulate_grad_batches}) under {type(trainer.plugin).__name__}: {unsaved}. A run resumed from it "
+            "continues without them, so it is not exactly the run that went on. Save at optimizer steps "
+            "(ModelCheckpoint(every_n_train_steps=...) does) for an exact resume."
+        )
+    elif mid_cycle:
+        # Saved between two optimizer steps: keep the gradients accumulated so far (each rank's own
+        # under data parallelism, where they are synchronised only at the step; a shard under FSDP).
+        state[KEY_LOOP_GRADS] = {
+            name: _local_tensor(p.grad).detach().clone()
+            for name, p in module.named_parameters()
+            if p.grad is not None
         }
     return state
+
+
+def _local_tensor(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
@@ -184,7 +213,7 @@ def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, A
         checkpoint[KEY_LR_SCHEDULERS] = [
             config.scheduler.state_dict() for config in plugin.lr_scheduler_configs
         ]
-        checkpoint[KEY_LOOPS] = loop_state(trainer)
+        checkpoint[KEY_LOOPS] = loops = loop_state(trainer)
         checkpoint[KEY_CALLBACKS] = {}
         for cb in trainer.callbacks:
             state = cb.state_dict()
@@ -192,10 +221,19 @@ def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, A
                 checkpoint[KEY_CALLBACKS][cb.state_key] = state
         # Every rank's generators: ranks draw different dropout masks, and an exact resume at the
         # same world size gives each rank back its own stream.
-        per_rank = plugin.all_gather_object(collect_rng_states())
-        checkpoint[KEY_RNG] = per_rank[0]
-        if len(per_rank) > 1:
-            checkpoint[KEY_RNG_PER_RANK] = per_rank
+        rng = trainer._paused_rng if trainer._paused_rng is not None else collect_rng_states()
+        own = rank_loop_state(trainer)
+        per_rank = plugin.all_gather_object((rng, own) if own else rng)
+        if own:
+            rngs = [entry[0] for entry in per_rank]
+            loops[KEY_LOOP_PER_RANK] = [entry[1] for entry in per_rank]
+            # Rank 0's at the top as well: what a run at another world size takes.
+            loops.update(per_rank[0][1])
+        else:
+            rngs = per_rank
+        checkpoint[KEY_RNG] = rngs[0]
+        if len(rngs) > 1:
+            checkpoint[KEY_RNG_PER_RANK] = rngs
         checkpoint[KEY_PRECISION] = plugin.precision.state_dict()
         if trainer.datamodule is not None:
             dm_state = trainer.datamodule.state_dict()
@@ -374,9 +412,17 @@ def _restore_loops(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
                 trainer._resume_samples_done = loops["batches_done_in_epoch"] * saved_world * saved_batch
         trainer._resume_batch_idx = done
         trainer._resume_epoch_rng = loops.get("epoch_start_rng")
-    trainer._resume_rng = _rng_for_this_rank(trainer, checkpoint)
-    trainer._resume_dataloader_state = loops.get("dataloader")
-    trainer._resume_grads = loops.get("accumulated_grads")
+    trainer._loop_epoch = trainer.current_epoch
+    trainer._epoch_finished = False
+    trainer._batches_done_in_epoch = trainer._resume_batch_idx
+    trainer._epoch_start_rng = trainer._resume_epoch_rng
+    trainer._paused_rng = _rng_for_this_rank(trainer, checkpoint)
+    own = loops
+    per_rank = loops.get(KEY_LOOP_PER_RANK)
+    if per_rank is not None and len(per_rank) == trainer.world_size:
+        own = per_rank[trainer.global_rank]
+    trainer._resume_dataloader_state = own.get(KEY_LOOP_DATALOADER)
+    trainer._resume_grads = own.get(KEY_LOOP_GRADS)
     trainer._validated_batch = loops.get("validated_last_batch", False)
     trainer._resume_sampler_seed = loops.get("sampler_seed")
     trainer._restored_mid_run = trainer._resume_batch_idx > 0

@@ -121,6 +121,8 @@ def run_fit(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, ckpt
     t = trainer
     t._train_source = train_dataloaders
     t.train_dataloader = None
+    t._paused_rng = None
+    t._loop_epoch = None
     t._setup_run("fit")
     module = t.lightning_module
     assert module is not None
@@ -154,6 +156,8 @@ def run_fit(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, ckpt
         _train_epoch(t, val_loaders)
         t.current_epoch += 1
         t._resume_batch_idx = 0
+    # Stopped at an epoch's end: the generators stand where the next epoch would begin.
+    _pause(t)
     t._call_hooks("on_train_end")
     t._call_hooks("on_fit_end")
     for lg in t.loggers:
@@ -256,18 +260,32 @@ def _can_stop(t: Trainer) -> bool:
     return not (t.min_steps is not None and t.global_step < t.min_steps)
 
 
-def _should_check_val(t: Trainer, batch_idx: int, is_last: bool) -> bool:
-    if not t._val_loaders_for_fit:
+def _validation_due(t: Trainer, batch_idx: int, is_last: bool) -> bool:
+    """Whether the validation schedule (``val_check_interval``, ``check_val_every_n_epoch``) falls on this batch."""
+    if not t._val_loaders_for_fit or not _validates_this_epoch(t):
         return False
-    every = t.check_val_every_n_epoch
-    if every is not None and (t.current_epoch + 1) % every != 0:
-        return False
-    if t.should_stop and _can_stop(t):
-        return True
     if math.isinf(t.val_check_batch):
         return is_last
-    current = t.total_batch_idx - 1 if every is None else batch_idx
+    current = t.total_batch_idx - 1 if t.check_val_every_n_epoch is None else batch_idx
     return (current + 1) % t.val_check_batch == 0
+
+
+def _validates_this_epoch(t: Trainer) -> bool:
+    every = t.check_val_every_n_epoch
+    return every is None or (t.current_epoch + 1) % every == 0
+
+
+def _pause(t: Trainer) -> None:
+    """The loop stops training here: keep the generators as they stand for a checkpoint written from now on.
+
+    What runs after the last batch only because the run ends (a validation the schedule did not
+    call for, the hooks of an epoch cut short, ``on_train_end``) must not leak into the position a
+    resumed run continues from; the run that never stopped went straight on to the next batch.
+    """
+    if t._paused_rng is None:
+        from trainer_core.checkpointing import collect_rng_states
+
+        t._paused_rng = collect_rng_states()
 
 
 def _train_epoch(t: Trainer, val_loaders: list[Any]) -> None:
@@ -309,7 +327,7 @@ def _train_epoch(t: Trainer, val_loaders: list[Any]) -> None:
     several_ranks = preemption is not None and t.world_size > 1
 
     iterator = _start_epoch_iterator(t, loader, start)
-    if start and val_enabled and not t._validated_batch and _should_check_val(t, start - 1, start >= n):
+    if start and val_enabled and not t._validated_batch and _validation_due(t, start - 1, start >= n):
         # The checkpoint was written in the last batch's ``on_train_batch_end``, before the
         # validation that batch was due: run it now, as the saved run did next.
         t.batch_idx = start - 1
@@ -318,6 +336,9 @@ def _train_epoch(t: Trainer, val_loaders: list[Any]) -> None:
     finite = not math.isinf(n)
     pairs = _with_last_flag(iterator) if not finite else None
     batch_idx = start
+    # Whether the loop leaves the epoch before its last batch (max_steps, should_stop): the epoch is
+    # not over, and a checkpoint written from here on continues it at the next batch.
+    cut = False
     while batch_idx < n:
         if finite:
             try:
@@ -350,18 +371,24 @@ def _train_epoch(t: Trainer, val_loaders: list[Any]) -> None:
             t._run_hooks("on_train_batch_end", batch_end, outputs, batch, batch_idx)
         if stepped and (t._batches_that_stepped % log_every == 0 or t.should_stop):
             _log_train_step(t)
-        if val_enabled and _should_check_val(t, batch_idx, is_last):
-            _validate_in_fit(t, val_loaders)
+        if val_enabled:
+            if _validation_due(t, batch_idx, is_last):
+                _validate_in_fit(t, val_loaders)
+            elif t.should_stop and _can_stop(t) and _validates_this_epoch(t):
+                # Lightning validates once more when a run stops early; the run that goes on would not.
+                _pause(t)
+                _validate_in_fit(t, val_loaders, step_plateau=False)
         batch_idx += 1
-        if t.max_steps != -1 and t.global_step >= t.max_steps:
-            break
-        if t.should_stop and _can_stop(t):
+        if (t.max_steps != -1 and t.global_step >= t.max_steps) or (t.should_stop and _can_stop(t)):
+            cut = not is_last
+            if cut:
+                _pause(t)
             break
         if preemption is not None and (several_ranks or preemption.received is not None):
             signum = preemption.agreed(t)
             if signum is not None:
                 preemption.save_and_stop(t, signum)
-    _end_train_epoch(t)
+    _end_train_epoch(t, cut)
 
 
 def _start_epoch_iterator(t: Trainer, loader: Any, start: int) -> Iterator[Any]:
@@ -376,20 +403,35 @@ def _start_epoch_iterator(t: Trainer, loader: Any, start: int) -> Iterator[Any]:
     t._epoch_finished = False
     t._plateau_stepped = False
     t._batches_done_in_epoch = start
-    resume_rng = t._resume_rng
-    t._resume_rng = None
+    followed_an_epoch = t._loop_epoch is not None
+    t._loop_epoch = t.current_epoch
+    resume_rng = t._paused_rng
+    t._paused_rng = None
+    stateful = callable(getattr(loader, "load_state_dict", None)) and callable(
+        getattr(loader, "state_dict", None)
+    )
     if resume_rng is None:
         t._epoch_start_rng = collect_rng_states()
+        if stateful and followed_an_epoch:
+            # A stateful loader carries more than its position (its sampler's own generator), and
+            # one that loaded a state draws from the global RNG unlike one that did not. A resumed
+            # run loads the saved state at an epoch's start, so the run that never stopped does
+            # the same with its own: both then draw alike.
+            loader.load_state_dict(loader.state_dict())
         return iter(loader)
+    loader_state = t._resume_dataloader_state
+    t._resume_dataloader_state = None
+    stateful = stateful and loader_state is not None
     if not start:
         apply_rng_states(resume_rng)
         t._epoch_start_rng = collect_rng_states()
+        if stateful:
+            loader.load_state_dict(loader_state)
         return iter(loader)
     if t._resume_epoch_rng is not None:
         apply_rng_states(t._resume_epoch_rng)
     t._epoch_start_rng = t._resume_epoch_rng
-    loader_state = t._resume_dataloader_state
-    if loader_state is not None and callable(getattr(loader, "load_state_dict", None)):
+    if stateful:
         loader.load_state_dict(loader_state)
         iterator = iter(loader)
     else:
@@ -402,9 +444,20 @@ def _start_epoch_iterator(t: Trainer, loader: Any, start: int) -> Iterator[Any]:
     if grads:
         for name, param in t.lightning_module.named_parameters():
             if name in grads:
-                param.grad = grads[name].to(param.device)
+                grad = grads[name].to(param.device)
+                if hasattr(param, "device_mesh"):  # a DTensor shard (FSDP): the gradient is this rank's shard
+                    from torch.distributed.tensor import DTensor
+
+                    grad = DTensor.from_local(
+                        grad,
+                        param.device_mesh,
+                        param.placements,
+                        run_check=False,
+                        shape=param.shape,
+                        stride=param.stride(),
+                    )
+                param.grad = grad
     t._resume_grads = None
-    t._resume_dataloader_state = None
     return iterator
 
 
@@ -419,9 +472,14 @@ def _log_train_step(t: Trainer) -> None:
         t._log_metrics(logged, t._batches_that_stepped - 1)
 
 
-def _end_train_epoch(t: Trainer) -> None:
-    """Lightning's epoch end: callbacks, the module, then callbacks that monitor metrics."""
-    t._epoch_finished = True
+def _end_train_epoch(t: Trainer, cut: bool = False) -> None:
+    """Lightning's epoch end: callbacks, the module, then callbacks that monitor metrics.
+
+    An epoch ``cut`` short (the run stopped before its last batch) runs the same hooks, but stays
+    unfinished in checkpoints and does not step ReduceLROnPlateau, just as the other epoch-interval
+    schedulers step only after an epoch's last batch: the run that goes on steps them there.
+    """
+    t._epoch_finished = not cut
     results = t._train_results
     t._results = results
     t.callback_metrics  # noqa: B018 - takes in the last step values
@@ -436,7 +494,7 @@ def _end_train_epoch(t: Trainer) -> None:
     t._current_fx = "on_train_epoch_end"
     for cb in monitoring:
         cb.on_train_epoch_end(t, t.lightning_module)
-    if t.lightning_module.automatic_optimization:
+    if t.lightning_module.automatic_optimization and not cut:
         update_lr_schedulers(t, "epoch", plateau=True)
     t._plateau_stepped = True
     _, logged, _ = results.epoch_metrics()
@@ -654,7 +712,7 @@ def _make_step(t: Trainer) -> Callable[[Any, int, bool], Any]:
     return automatic_step
 
 
-def _validate_in_fit(t: Trainer, val_loaders: list[Any]) -> None:
+def _validate_in_fit(t: Trainer, val_loaders: list[Any], step_plateau: bool = True) -> None:
     # Marked first: a checkpoint written by a validation hook must not repeat it on resume.
     t._validated_batch = True
     module = t.lightning_module
@@ -667,7 +725,7 @@ def _validate_in_fit(t: Trainer, val_loaders: list[Any]) -> None:
         t, "validation", val_loaders, t.num_val_batches, log=True, step=max(0, t._batches_that_stepped - 1)
     )
     t._results = t._train_results
-    if module.automatic_optimization and at_boundary:
+    if step_plateau and module.automatic_optimization and at_boundary:
         update_lr_schedulers(t, "step", plateau=True)
 
 

@@ -219,8 +219,12 @@ class Trainer:
         self._plateau_stepped = False
         self._epoch_finished = False
         self._epoch_start_rng: Optional[dict[str, Any]] = None
+        # The epoch the loop position (batches done, finished) counts in; None before the first epoch.
+        self._loop_epoch: Optional[int] = None
+        # The generators of the loop position while no batch is running: set by a restore or when the
+        # fit loop stops, written by checkpoints meanwhile, put back when the next epoch starts.
+        self._paused_rng: Optional[dict[str, Any]] = None
         # Set by a restore, consumed by the first epoch after it.
-        self._resume_rng: Optional[dict[str, Any]] = None
         self._resume_epoch_rng: Optional[dict[str, Any]] = None
         self._resume_dataloader_state: Any = None
         self._resume_grads: Optional[dict[str, Any]] = None
@@ -728,6 +732,11 @@ class Trainer:
         if self.lightning_module is None:
             raise MisconfigurationException(
                 "save_checkpoint needs a model: call it during or after `trainer.fit(model)`."
+            )
+        unavailable = self.plugin.full_checkpoint_unavailable
+        if unavailable and not weights_only:
+            raise MisconfigurationException(
+                f"trainer.save_checkpoint({os.fspath(filepath)!r}): {unavailable}."
             )
         from trainer_core.checkpointing import dump_checkpoint
 

@@ -171,6 +171,11 @@ class DistributedCheckpointIO(CheckpointIO):
             fs, f"{fs_path}/{TRAINER_STATE_FILE}", f"{os.fspath(path)}/{TRAINER_STATE_FILE}", "cpu"
         )
 
+    def stored_keys(self, path: PathLike) -> set[str]:
+        """The flattened keys (``optimizer_states.0.state.net.0.weight.exp_avg``) the folder holds tensors or values for."""
+        self._check_complete(path)
+        return set(self._reader(os.fspath(path)).read_metadata().state_dict_metadata)
+
     def load_into(self, path: PathLike, template: dict[str, Any]) -> dict[str, Any]:
         """Fill ``template`` (this run's own shards) from the folder, resharding as needed; a collective."""
 
