@@ -1,17 +1,30 @@
 """``PipelinePlugin``: pipeline parallelism on ``torch.distributed.pipelining``, optionally times data parallelism.
 
-The module is cut at named submodules (``split_points``) into stages, in the order its
-submodules are registered; ``forward(input)`` is what is split, and ``loss_fn(output, target)``
-turns the last stage's output into the loss. A rank holds one stage (``"GPipe"``, ``"1F1B"``) or
-several (``"Interleaved1F1B"``: with 2 ranks and 4 stages, rank 0 holds stages 0 and 2).
+The module is cut before named submodules (``split_points``) into stages; ``forward(input)`` is
+what is split, and ``loss_fn(output, target)`` turns the last stage's output into the loss. A rank
+holds one stage (``"GPipe"``, ``"1F1B"``) or several (``"Interleaved1F1B"``: with 2 ranks and 4
+stages, rank 0 holds stages 0 and 2).
 
-A stage is the module with every layer it does not hold replaced by ``nn.Identity`` (torchtitan's
-"manual split"): the forward runs unchanged and passes the previous stage's output through the
-missing layers, so the module's forward must be a chain of its submodules, in registration order.
-The user's module keeps the whole name space, with the layers a rank does not hold moved to the
-meta device (no memory), so checkpoints use the original fully-qualified names (``layers.3.weight``)
-whichever rank holds them: a checkpoint written at one pipeline degree loads at another, or under
-any other plugin.
+**Traced split (the default).** ``torch.distributed.pipelining.pipeline`` traces ``forward`` (with
+``torch.export``, on one micro-batch of the first training batch, or on the module's
+``example_input_array``) and cuts the graph at the split points, so everything ``forward`` computes
+between submodules (functional activations, residual additions, a layer called twice) runs once,
+on the stage it belongs to, and a stage runs only its own piece. Values a later stage needs (a skip
+connection over a stage, the input itself) are passed on by the stages in between. It is traced
+twice, in training and in evaluation mode, so dropout and batch norm behave as on one device. The
+traced stages use the module's own parameter objects, under their original fully-qualified names.
+A ``forward`` the tracer cannot capture (data-dependent control flow such as ``if x.sum() > 0``)
+is refused before anything runs, as is a parameter used by two stages (each would train a copy).
+
+**Manual split** (``pipeline_manual_split = True`` on the module's class, torchtitan's model-parts
+style): the module declares that its ``forward`` runs its submodules as a chain, in registration
+order, or skips the layers a stage lacks. A stage is then the module with every layer it does not
+hold replaced by ``nn.Identity``, and it runs the whole ``forward``; nothing is traced.
+
+Either way the user's module keeps its whole name space, with the tensors a rank does not hold
+moved to the meta device (no memory), so checkpoints use the original fully-qualified names
+(``layers.3.weight``) whichever rank holds them: a checkpoint written at one pipeline degree loads
+at another, or under any other plugin.
 
 Ranks are laid out as a ``(pp, dp)`` mesh: global rank = ``pp_rank * dp + dp_rank``. Replicas of a
 stage average their gradients after the schedule's backward, before the optimizers step.
@@ -23,11 +36,16 @@ import bisect
 import contextlib
 import copy
 import dataclasses
+import inspect
+import re
+import traceback
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.fx
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -43,12 +61,18 @@ if TYPE_CHECKING:
     from trainer_core.trainer import Trainer
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+#: The class attribute with which a module declares that its forward is a chain of its submodules
+#: (or skips the layers a stage lacks), so that stages are built by hand instead of by the tracer.
+MANUAL_SPLIT_ATTRIBUTE = "pipeline_manual_split"
 _MULTI_STAGE_SCHEDULES = ("Interleaved1F1B",)
 _MAX_LISTED = 30
 
 
 class PipelinePlugin(DDPPlugin):
     """Split the module at ``split_points`` and run it as a pipeline of ``world_size / data_parallel_size`` ranks.
+
+    The stages come from tracing ``forward`` (see the module docstring); a module whose class sets
+    ``pipeline_manual_split = True`` is split by hand instead.
 
     Args:
         split_points: fully-qualified names of submodules (``"layers.2"``); each begins a new stage.
@@ -97,6 +121,7 @@ class PipelinePlugin(DDPPlugin):
         self._stages: list[PipelineStage] = []
         self._schedule: Any = None
         self._held_prefixes: list[str] = []
+        self._traced: Optional[_TracedSplit] = None
         self._pp_group: Any = None
         self._dp_group: Any = None
         self._sync_grads = True
@@ -136,7 +161,7 @@ class PipelinePlugin(DDPPlugin):
 
     @property
     def model_parts(self) -> list[nn.Module]:
-        """One module per stage this rank holds (layers of other stages are ``nn.Identity``)."""
+        """One module per stage this rank holds, with only that stage's parameters, under their original names."""
         return list(self._parts)
 
     def _check_layout(self) -> None:
@@ -168,7 +193,10 @@ class PipelinePlugin(DDPPlugin):
     def connect(self, module: LightningModule) -> None:
         # Checked before any process starts: a wrong split point fails in the user's own process.
         _check_pipelined_module(module)
-        plan_stages(module, self.split_points)
+        if declares_manual_split(module):
+            plan_stages(module, self.split_points)
+        else:
+            check_split_points(module, self.split_points)
         self._check_layout()
         super().connect(module)
 
@@ -183,10 +211,23 @@ class PipelinePlugin(DDPPlugin):
                 "backward cannot; use '32-true' or 'bf16-mixed' with PipelinePlugin."
             )
         self._check_layout()
+        self.precision.convert_module(module)
+        if declares_manual_split(module):
+            self._setup_manual_parts(module)
+        else:
+            self._setup_traced_parts(trainer, module)
+        self._build_groups()
+        self._accumulate = trainer.accumulate_grad_batches
+        if trainer.training:
+            self.setup_optimizers(trainer)
+        self._build_schedule()
+        self.model = module
+
+    def _setup_manual_parts(self, module: LightningModule) -> None:
+        """Stages the module declared: each part is the module with the other stages' layers ``nn.Identity``."""
         plan = plan_stages(module, self.split_points)
         held = [name for sid in self._stage_ids for name in plan[sid]]
         self._held_prefixes = held
-        self.precision.convert_module(module)
         # Layers this rank does not hold take no memory; their names stay for checkpoints.
         for sid, names in enumerate(plan):
             if sid not in self._stage_ids:
@@ -195,12 +236,26 @@ class PipelinePlugin(DDPPlugin):
         device = self.root_device
         _materialise(module, held, device)
         self._parts = [_stage_module(module, set(plan[sid])).to(device) for sid in self._stage_ids]
-        self._build_groups()
-        self._accumulate = trainer.accumulate_grad_batches
-        if trainer.training:
-            self.setup_optimizers(trainer)
-        self._build_schedule()
-        self.model = module
+
+    def _setup_traced_parts(self, trainer: Trainer, module: LightningModule) -> None:
+        """Stages cut from the traced forward: each part runs its own piece of the graph, on its own tensors."""
+        traced = self._traced
+        if traced is None or traced.module is not module:
+            # Traced once per module: a later validate/test in these processes reuses the split
+            # (by then the other ranks' tensors are on the meta device and could not be traced).
+            example = _example_microbatch(
+                trainer, module, self.split_points, self.n_microbatches or self._num_stages
+            )
+            traced = self._traced = _TracedSplit.trace(module, self.split_points, example)
+        held = [name for sid in self._stage_ids for name in traced.tensors[sid]]
+        self._held_prefixes = held
+        others = [
+            name for sid, names in enumerate(traced.tensors) if sid not in self._stage_ids for name in names
+        ]
+        _tensors_to_meta(module, others)
+        device = self.root_device
+        _materialise_tensors(module, held, device)
+        self._parts = [traced.part(module, sid).to(device) for sid in self._stage_ids]
 
     def _build_groups(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -226,7 +281,9 @@ class PipelinePlugin(DDPPlugin):
         )
 
         self._stages = [
-            PipelineStage(part, sid, self._num_stages, self.root_device, group=self._pp_group)
+            _without_side_effects_of_inference(
+                PipelineStage(part, sid, self._num_stages, self.root_device, group=self._pp_group)
+            )
             for part, sid in zip(self._parts, self._stage_ids)
         ]
         n = self.n_microbatches or self._num_stages
@@ -618,18 +675,8 @@ def plan_stages(module: nn.Module, split_points: Sequence[str]) -> list[list[str
     """
     named = dict(module.named_modules())
     order = {name: index for index, name in enumerate(named)}
-    for point in split_points:
-        if point not in named or point == "":
-            raise MisconfigurationException(
-                f"PipelinePlugin(split_points={list(split_points)}): {point!r} names no submodule of "
-                f"{type(module).__name__}. Its submodules: {_submodule_listing(module)}."
-            )
+    check_split_points(module, split_points)
     positions = [order[p] for p in split_points]
-    if positions != sorted(set(positions)):
-        raise MisconfigurationException(
-            f"PipelinePlugin(split_points={list(split_points)}): list each split point once, in the order the "
-            f"module's forward runs them ({', '.join(p for p in sorted(split_points, key=order.get))})."
-        )
     subtree_end: dict[str, int] = {}
     names = list(named)
     for name in reversed(names):
@@ -666,6 +713,29 @@ def plan_stages(module: nn.Module, split_points: Sequence[str]) -> list[list[str
                 "remove a split point."
             )
     return stages
+
+
+def check_split_points(module: nn.Module, split_points: Sequence[str]) -> None:
+    """Each split point names a submodule, once, in registration order (the order a chain runs them)."""
+    named = dict(module.named_modules())
+    order = {name: index for index, name in enumerate(named)}
+    for point in split_points:
+        if point not in named or point == "":
+            raise MisconfigurationException(
+                f"PipelinePlugin(split_points={list(split_points)}): {point!r} names no submodule of "
+                f"{type(module).__name__}. Its submodules: {_submodule_listing(module)}."
+            )
+    positions = [order[p] for p in split_points]
+    if positions != sorted(set(positions)):
+        raise MisconfigurationException(
+            f"PipelinePlugin(split_points={list(split_points)}): list each split point once, in the order the "
+            f"module's forward runs them ({', '.join(p for p in sorted(split_points, key=order.get))})."
+        )
+
+
+def declares_manual_split(module: nn.Module) -> bool:
+    """Whether the module's class set ``pipeline_manual_split = True`` (stages by hand, no tracing)."""
+    return getattr(module, MANUAL_SPLIT_ATTRIBUTE, False) is True
 
 
 def _submodule_listing(module: nn.Module) -> str:
@@ -714,6 +784,403 @@ def _materialise(module: nn.Module, held: Sequence[str], device: torch.device) -
             reset = getattr(inner, "reset_parameters", None)
             if callable(reset):
                 reset()
+
+
+# ---------------------------------------------------------------------- traced split
+_MODES = (True, False)  # training, evaluation
+
+
+@dataclasses.dataclass
+class _StageProgram:
+    """One stage's piece of the traced forward, and the values it receives and passes on.
+
+    The split graph may hand a stage values from any earlier stage (a skip connection) or the
+    input itself, but a schedule connects a stage only to the next one; so every stage passes on,
+    after its own results, whatever a later stage still needs (``outputs``), in one fixed order.
+    """
+
+    graph: nn.Module  # the tracer's module for this stage (parameters under their original names)
+    call: str  # the stage's node in the split graph
+    inputs: list[str]  # the values received, in order
+    args: list[str]  # the values the stage's graph takes, in order
+    picks: dict[str, int]  # values that are one element of the stage's results: their index
+    outputs: Any  # names passed on; on the last stage, the forward's output structure of names
+
+    def run(self, *values: Any) -> Any:
+        env = dict(zip(self.inputs, values))
+        result = self.graph(*(env[name] for name in self.args))
+        env[self.call] = result
+        for name, index in self.picks.items():
+            env[name] = result[index]
+        if isinstance(self.outputs, list):
+            passed = tuple(env[name] for name in self.outputs)
+            return passed[0] if len(passed) == 1 else passed
+        out = torch.fx.node.map_aggregate(
+            self.outputs, lambda name: env[name] if isinstance(name, str) else name
+        )
+        # The tracer returns the forward's outputs flattened; a single one is what loss_fn expects.
+        return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+
+
+class _TracedSplit:
+    """``forward`` traced by ``torch.distributed.pipelining.pipeline`` and cut at the split points.
+
+    ``tensors[s]`` are the fully-qualified names of the module's state that stage ``s`` holds:
+    what its graph uses, and for the first stage also what no stage uses (unused parameters and
+    non-tensor state still need an owner, for the optimizer and for checkpoints).
+    """
+
+    def __init__(
+        self, module: nn.Module, programs: dict[bool, list[_StageProgram]], tensors: list[list[str]]
+    ):
+        self.module = module
+        self.programs = programs
+        self.tensors = tensors
+
+    @classmethod
+    def trace(cls, module: LightningModule, split_points: Sequence[str], example: Any) -> _TracedSplit:
+        num_stages = len(split_points) + 1
+        was_training = module.training
+        programs: dict[bool, list[_StageProgram]] = {}
+        used: dict[bool, list[list[str]]] = {}
+        try:
+            for mode in _MODES:
+                module.train(mode)
+                pipe = _run_tracer(module, split_points, example)
+                if pipe.num_stages != num_stages:
+                    raise MisconfigurationException(
+                        f"PipelinePlugin(split_points={list(split_points)}): the traced "
+                        f"{type(module).__name__}.forward makes {pipe.num_stages} stages, not {num_stages}: a split "
+                        "point that forward never calls (or calls inside another split point) begins no stage. "
+                        "Split at submodules that forward calls, one after another."
+                    )
+                _refuse_shared_parameters(module, split_points, pipe)
+                programs[mode] = _stage_programs(pipe)
+                used[mode] = [_state_names(program.graph, module) for program in programs[mode]]
+        finally:
+            module.train(was_training)
+        # A tensor may be used in one mode only (batch norm counts batches only in training), but
+        # never by one stage in training and another in evaluation: a rank holds it in both.
+        stage_of: dict[str, int] = {}
+        for mode in _MODES:
+            for stage, names in enumerate(used[mode]):
+                for name in names:
+                    if stage_of.setdefault(name, stage) != stage:
+                        raise MisconfigurationException(
+                            f"PipelinePlugin(split_points={list(split_points)}): {type(module).__name__}.forward "
+                            f"uses {name} in stage {stage_of[name]} in one mode and in stage {stage} in the other "
+                            "(training, evaluation), but a rank holds it for both. Use it at the same place in both, "
+                            f"or declare the stages yourself ({MANUAL_SPLIT_ATTRIBUTE} = True)."
+                        )
+        tensors: list[list[str]] = [[] for _ in range(num_stages)]
+        for name in _all_state_names(module):
+            # What no stage uses (unused parameters, non-tensor state) goes to the first stage.
+            tensors[stage_of.get(name, 0)].append(name)
+        return cls(module, programs, tensors)
+
+    def part(self, module: LightningModule, stage: int) -> nn.Module:
+        """The model part of ``stage``: the module with only the stage's tensors, running the stage's graph.
+
+        It is a shallow copy of the user's module, so ``configure_optimizers`` answers with the
+        stage's parameters under their original names; its ``forward`` is the stage's graph.
+        """
+        programs = {mode: self.programs[mode][stage] for mode in _MODES}
+        for program in programs.values():
+            _rebind(program.graph, module)
+        part = _tensor_part(module, set(self.tensors[stage]))
+
+        def forward(*values: Any) -> Any:
+            # The Trainer switches the user's module between train and eval; the part follows it.
+            return programs[module.training].run(*values)
+
+        part.forward = forward  # type: ignore[method-assign]
+        return part
+
+
+def _run_tracer(module: nn.Module, split_points: Sequence[str], example: Any) -> Any:
+    """``pipeline(module, (example,), split_spec)``, leaving the module as it was; refuse what cannot be traced."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    tensors = [*module.parameters(), *module.buffers()]
+    on_meta = {t.is_meta for t in tensors}
+    if on_meta == {True, False}:
+        raise MisconfigurationException(
+            f"PipelinePlugin: {type(module).__name__} has some tensors on the meta device and others not, so its "
+            "forward cannot be traced; build the whole module on one device (or all under torch.device('meta'))."
+        )
+    if on_meta == {True}:
+        # A module built on the meta device is traced on meta inputs: shapes are all the tracer needs.
+        example = apply_to_collection(example, Tensor, lambda t: t.to("meta"))
+    # ``pipeline`` marks the split points by replacing their ``forward``; put back what was there.
+    saved = {name: dict(module.get_submodule(name).__dict__) for name in split_points}
+    try:
+        return pipeline(module, (example,), split_spec={name: SplitPoint.BEGINNING for name in split_points})
+    except Exception as exc:
+        cause: BaseException = exc
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        first_line = next((line for line in str(cause).splitlines() if line.strip()), "")
+        first_line = first_line.rstrip(". ") + _user_code_line(cause, module)
+        raise MisconfigurationException(
+            f"PipelinePlugin(split_points={list(split_points)}): the tracer (torch.distributed.pipelining.pipeline, "
+            f"on torch.export) could not trace {type(module).__name__}.forward: {type(cause).__name__}: {first_line}. "
+            "Without a traced graph the stages cannot be cut out of forward, and running the whole forward on "
+            "every stage would train a different function. Make forward traceable (no control flow that depends "
+            "on tensor values, such as `if x.sum() > 0`; see https://pytorch.org/docs/stable/export.html), or "
+            f"declare the stages yourself: set `{MANUAL_SPLIT_ATTRIBUTE} = True` on {type(module).__name__} if "
+            "its forward runs its submodules as a chain (each stage then runs forward with the layers of other "
+            "stages replaced by nn.Identity)."
+        ) from exc
+    finally:
+        for name, attributes in saved.items():
+            sub = module.get_submodule(name)
+            for key in ("forward", "_orig_forward"):
+                if key in attributes:
+                    sub.__dict__[key] = attributes[key]
+                else:
+                    sub.__dict__.pop(key, None)
+
+
+def _user_code_line(exc: BaseException, module: nn.Module) -> str:
+    """`` (at file:line: `code`)``: the line of the module's own source where tracing failed, if it is known."""
+    try:
+        source = inspect.getsourcefile(type(module))
+    except TypeError:
+        return ""
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__) if frame.filename == source]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f" (at {frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`)"
+
+
+def _refuse_shared_parameters(module: nn.Module, split_points: Sequence[str], pipe: Any) -> None:
+    """A tensor two stages use would be copied into each (the tracer's REPLICATE) and trained twice, apart."""
+    # The tracer names a stage's copy ``layers@1.weight``; the module's own name has no ``@n``.
+    shared = sorted(
+        {re.sub(r"@\d+", "", name) for mapping in pipe.replicated_params for name in mapping.values()}
+    )
+    if shared:
+        raise MisconfigurationException(
+            f"PipelinePlugin(split_points={list(split_points)}): {type(module).__name__}.forward uses "
+            f"{', '.join(shared[:_MAX_LISTED])} in more than one stage (a module called twice, or tied weights); "
+            "each stage would train its own copy, unlike one process. Move the split points so that every use of "
+            "them falls in one stage."
+        )
+
+
+def _stage_programs(pipe: Any) -> list[_StageProgram]:
+    """Each stage's graph, with the values it receives and passes on (see ``_StageProgram``)."""
+    graph = pipe.split_gm.graph
+    calls = [node for node in graph.nodes if node.op == "call_module"]
+    stage_of: dict[str, int] = {node.name: -1 for node in graph.nodes if node.op == "placeholder"}
+    picks: dict[str, tuple[str, int]] = {}
+    for index, node in enumerate(calls):
+        stage_of[node.name] = index
+    for node in graph.nodes:
+        if node.op == "call_function" and node.args and getattr(node.args[0], "name", None) in stage_of:
+            source = node.args[0].name
+            stage_of[node.name] = stage_of[source]
+            picks[node.name] = (source, node.args[1])
+    output = next(node for node in graph.nodes if node.op == "output")
+    result = torch.fx.node.map_arg(output.args[0], lambda node: node.name)
+    result_names: list[str] = []
+    torch.fx.node.map_arg(output.args[0], lambda node: result_names.append(node.name))
+    needs = [[arg.name for arg in call.args] for call in calls]
+    order = list(stage_of)  # definition order: placeholders, then each stage's results
+    programs = []
+    inputs = [name for name in order if stage_of[name] == -1]
+    for index, call in enumerate(calls):
+        last = index == len(calls) - 1
+        later = {name for names in needs[index + 1 :] for name in names} | set(result_names)
+        passed = [name for name in order if stage_of[name] <= index and name in later]
+        mine = {name: at for name, (source, at) in picks.items() if source == call.name and name in later}
+        programs.append(
+            _StageProgram(
+                graph=pipe.get_stage_module(index),
+                call=call.name,
+                inputs=inputs,
+                args=needs[index],
+                picks=mine,
+                outputs=result if last else passed,
+            )
+        )
+        inputs = passed
+    return programs
+
+
+def _state_names(graph: nn.Module, module: nn.Module) -> list[str]:
+    """The names of the module's tensors that a stage's graph holds (the tracer keeps their original names)."""
+    own = _all_state_names(module)
+    held = {name for name, _ in graph.named_parameters()} | {name for name, _ in graph.named_buffers()}
+    return [name for name in own if name in held]
+
+
+def _all_state_names(module: nn.Module) -> list[str]:
+    """Every entry of the module's state: its state dict, and non-persistent buffers, in the module's order."""
+    names = dict.fromkeys(module.state_dict(keep_vars=True))
+    names.update(dict.fromkeys(name for name, _ in module.named_parameters()))
+    names.update(dict.fromkeys(name for name, _ in module.named_buffers()))
+    return list(names)
+
+
+def _rebind(graph: nn.Module, module: nn.Module) -> None:
+    """Point a stage's graph at the module's current tensors (materialising or moving a layer replaces them)."""
+    for name, _ in list(graph.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        graph.get_submodule(owner)._parameters[leaf] = module.get_parameter(name)
+    for name, _ in list(graph.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        try:
+            graph.get_submodule(owner)._buffers[leaf] = module.get_buffer(name)
+        except AttributeError:
+            continue  # a constant the tracer lifted, not one of the module's buffers
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    prefix, _, leaf = name.rpartition(".")
+    return module.get_submodule(prefix), leaf
+
+
+def _tensor_part(root: nn.Module, held: set[str]) -> nn.Module:
+    """``root`` with only the tensors named in ``held``, under their names, and no other.
+
+    Modules on the way are shallow copies with their own dicts; the tensors are the root's.
+    """
+
+    def build(prefix: str, mod: nn.Module) -> Optional[nn.Module]:
+        new = copy.copy(mod)
+        new._parameters = {k: v for k, v in mod._parameters.items() if prefix + k in held}
+        new._buffers = {k: v for k, v in mod._buffers.items() if prefix + k in held}
+        new._modules = {}
+        for child_name, child in mod._modules.items():
+            if child is not None:
+                built = build(f"{prefix}{child_name}.", child)
+                if built is not None:
+                    new._modules[child_name] = built
+        empty = not (new._parameters or new._buffers or new._modules)
+        return None if empty and prefix else new
+
+    part = build("", root)
+    assert part is not None
+    return part
+
+
+def _tensors_to_meta(module: nn.Module, names: Sequence[str]) -> None:
+    """The named tensors take no memory on this rank; their names, shapes and dtypes stay."""
+    for name in names:
+        try:
+            owner, leaf = _owner(module, name)
+        except AttributeError:
+            continue  # non-tensor state (``_extra_state``)
+        if leaf in owner._parameters and owner._parameters[leaf] is not None:
+            param = owner._parameters[leaf]
+            if not param.is_meta:
+                owner._parameters[leaf] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        elif leaf in owner._buffers and owner._buffers[leaf] is not None:
+            owner._buffers[leaf] = owner._buffers[leaf].to("meta")
+
+
+def _materialise_tensors(module: nn.Module, names: Sequence[str], device: torch.device) -> None:
+    """Give the named tensors memory when the module was built on the meta device (see ``_materialise``)."""
+    owners: dict[int, nn.Module] = {}
+    for name in names:
+        try:
+            owner, leaf = _owner(module, name)
+        except AttributeError:
+            continue
+        if (
+            leaf in owner._parameters
+            and owner._parameters[leaf] is not None
+            and owner._parameters[leaf].is_meta
+        ):
+            param = owner._parameters[leaf]
+            owner._parameters[leaf] = nn.Parameter(
+                torch.empty_like(param, device=device), requires_grad=param.requires_grad
+            )
+            owners[id(owner)] = owner
+        elif leaf in owner._buffers and owner._buffers[leaf] is not None and owner._buffers[leaf].is_meta:
+            owner._buffers[leaf] = torch.empty_like(owner._buffers[leaf], device=device)
+            owners[id(owner)] = owner
+    for owner in owners.values():
+        reset = getattr(owner, "reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
+def _example_microbatch(
+    trainer: Trainer, module: LightningModule, split_points: Sequence[str], n: int
+) -> Any:
+    """One micro-batch to trace with: the first of the first training batch, else ``example_input_array``.
+
+    The training loader is read once before the run, with every random generator put back
+    afterwards, so the run draws the same batches as it would have.
+    """
+    from trainer_core.checkpointing import apply_rng_states, collect_rng_states
+
+    if trainer.training:
+        loader = _training_loader(trainer, module)
+        if loader is not None:
+            states = collect_rng_states()
+            try:
+                batch = next(iter(loader))
+            finally:
+                apply_rng_states(states)
+            if isinstance(batch, (list, tuple)) and len(batch) == 2:
+                return apply_to_collection(batch[0], Tensor, lambda t: torch.tensor_split(t, n)[0])
+    example = getattr(module, "example_input_array", None)
+    if example is not None:
+        return example
+    raise MisconfigurationException(
+        f"PipelinePlugin(split_points={list(split_points)}) traces {type(module).__name__}.forward on one "
+        f"micro-batch before the run, and `trainer.{trainer.state_stage}` gives it none before it starts; set "
+        f"`{type(module).__name__}.example_input_array` to one micro-batch of inputs, run `trainer.fit` first in "
+        f"this process, or declare the stages yourself (`{MANUAL_SPLIT_ATTRIBUTE} = True`)."
+    )
+
+
+def _training_loader(trainer: Trainer, module: LightningModule) -> Any:
+    """The training dataloader as ``fit`` will resolve it (given, else the datamodule's, else the module's)."""
+    from lightning_utilities.core.overrides import is_overridden
+
+    from trainer_core.datamodule import LightningDataModule
+    from trainer_core.module import LightningModule as BaseModule
+
+    source = getattr(trainer, "_train_source", None)
+    if source is None:
+        datamodule = trainer.datamodule
+        if datamodule is not None and is_overridden("train_dataloader", datamodule, LightningDataModule):
+            source = datamodule.train_dataloader()
+        elif is_overridden("train_dataloader", module, BaseModule):
+            source = module.train_dataloader()
+    if isinstance(source, (list, tuple)):
+        source = source[0] if len(source) == 1 else None
+    return source if hasattr(source, "__iter__") else None
+
+
+def _without_side_effects_of_inference(stage: PipelineStage) -> PipelineStage:
+    """Undo what the stage's shape inference changes in the module: buffers and random state.
+
+    Before the first micro-batch a ``PipelineStage`` runs its module once more to learn the shapes
+    it exchanges; batch norm would count that batch twice (and dropout draw twice) compared with
+    one process. The buffers and the random generators are put back afterwards.
+    """
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if infer is None:
+        return stage
+
+    def inference(*args: Any, **kwargs: Any) -> Any:
+        saved = [(buffer, buffer.detach().clone()) for buffer in stage.submod.buffers() if not buffer.is_meta]
+        with torch.random.fork_rng(devices=[stage.device] if stage.device.type == "cuda" else []):
+            try:
+                return infer(*args, **kwargs)
+            finally:
+                with torch.no_grad():
+                    for buffer, value in saved:
+                        buffer.copy_(value)
+
+    stage._forward_metadata_inference = inference  # type: ignore[method-assign]
+    return stage
 
 
 def _check_pipelined_module(module: LightningModule) -> None:
