@@ -24,9 +24,11 @@ from trainer_core.errors import MisconfigurationException
 from trainer_core.plugins.base import TrainingTypePlugin
 from trainer_core.plugins.environments import ClusterEnvironment, detect_environment
 from trainer_core.plugins.launchers import ScriptLauncher, SpawnLauncher
+from trainer_core.utilities import rank_zero_warn
 
 if TYPE_CHECKING:
     from trainer_core.plugins.io import CheckpointIO
+    from trainer_core.trainer import Trainer
 
 #: How long a rank waits in a collective for the others before giving up with an error.
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -160,6 +162,34 @@ class DDPPlugin(TrainingTypePlugin):
         atexit.register(_destroy_process_group)
 
     # ------------------------------------------------------------------ model
+    def setup(self, trainer: Trainer) -> None:
+        if trainer.training:
+            self.check_module_for_data_parallel()
+        super().setup(trainer)
+
+    def check_module_for_data_parallel(self) -> None:
+        """Say, before training, where this module computes another function than one process would.
+
+        Every data-parallel plugin (DDP, ShardedDDP, ZeRO, FSDP) calls this from its ``setup``:
+        gradients are averaged, so a module whose forward treats samples independently trains
+        exactly as one process on the combined batch; a layer that mixes samples (BatchNorm) does not.
+        """
+        module = self._lightning_module
+        if module is not None and self.world_size > 1:
+            warn_if_batch_norm(module, type(self).__name__, self.world_size, self._running_stats_note())
+
+    def _running_stats_note(self) -> str:
+        """What becomes of BatchNorm's running statistics across ranks under this plugin."""
+        if not self._ddp_kwargs.get("broadcast_buffers", True):
+            return (
+                "with broadcast_buffers=False every rank keeps running statistics of its own samples, and the "
+                "checkpoint holds rank 0's"
+            )
+        return (
+            "the wrapper broadcasts rank 0's buffers at every training forward, so the running statistics "
+            "(and so the checkpoint's) follow rank 0's samples only"
+        )
+
     def wrap_model(self, module: nn.Module) -> nn.Module:
         if self.world_size == 1:
             return module
@@ -287,6 +317,45 @@ def _is_peer_failure(exception: BaseException) -> bool:
     return False
 
 
+#: How many BatchNorm layer names the warning lists before it says how many more there are.
+_NAMES_SHOWN = 3
+
+
+def batch_norm_layers(module: nn.Module) -> list[str]:
+    """Names of the layers that normalise with the statistics of the batch they see (SyncBatchNorm excluded)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return [
+        name or "<root>"
+        for name, layer in module.named_modules()
+        if isinstance(layer, _BatchNorm) and not isinstance(layer, nn.SyncBatchNorm)
+    ]
+
+
+def warn_if_batch_norm(module: nn.Module, plugin: str, world_size: int, running_stats_note: str) -> None:
+    """Warn (rank 0) that BatchNorm under data parallelism is not the one-process function.
+
+    Each rank normalises with the mean and variance of its own part of the global batch, so the
+    losses, gradients and weights differ from one process on the whole batch; torch's
+    ``SyncBatchNorm`` (which would fix it) runs on GPUs only, so the plugin cannot convert on its own.
+    """
+    names = batch_norm_layers(module)
+    if not names:
+        return
+    shown = ", ".join(names[:_NAMES_SHOWN]) + (
+        f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
+    )
+    rank_zero_warn(
+        f"{type(module).__name__} has BatchNorm layers ({shown}) and {plugin} trains it on {world_size} processes: "
+        "each process normalises with the mean and variance of its own part of the batch, not of the whole "
+        f"batch one process would see, so this run trains a different function than one process; "
+        f"{running_stats_note}. To normalise over the whole batch convert the module with "
+        "`torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)` (on GPUs: SyncBatchNorm does not run on CPU), "
+        "or use a normalisation without batch statistics (LayerNorm, GroupNorm).",
+        category=UserWarning,
+    )
+
+
 def _prepare_for_backward(model: DistributedDataParallel, loss: Tensor) -> None:
     """Ready DDP's reducer for one more backward of the same forward (manual optimization).
 
@@ -347,7 +416,8 @@ def with_distributed_sampler(loader: DataLoader, kind: str, num_replicas: int, r
     rank only. A loader with a custom sampler or batch sampler is left alone.
     """
     sampler = loader.sampler
-    if isinstance(sampler, DistributedSampler) or not isinstance(sampler, (RandomSampler, SequentialSampler)):
+    shuffled = _is_random_sampler(sampler)
+    if isinstance(sampler, DistributedSampler) or not (shuffled or isinstance(sampler, SequentialSampler)):
         return loader
     if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
         return loader
@@ -359,7 +429,7 @@ def with_distributed_sampler(loader: DataLoader, kind: str, num_replicas: int, r
             dataset,
             num_replicas=num_replicas,
             rank=rank,
-            shuffle=isinstance(sampler, RandomSampler) and kind == "train",
+            shuffle=shuffled and kind == "train",
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
             drop_last=loader.drop_last if kind == "train" else False,
         )
@@ -378,4 +448,22 @@ def with_distributed_sampler(loader: DataLoader, kind: str, num_replicas: int, r
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
         kwargs["multiprocessing_context"] = loader.multiprocessing_context
-    return type(loader)(dataset, **kwargs) if type(loader) is DataLoader else DataLoader(dataset, **kwargs)
+    if type(loader) is DataLoader:
+        return DataLoader(dataset, **kwargs)
+    if _is_stateful_loader(loader):
+        # A StatefulDataLoader stays one, so that checkpoints keep its position.
+        return type(loader)(dataset, **kwargs, snapshot_every_n_steps=loader.snapshot_every_n_steps)
+    return DataLoader(dataset, **kwargs)
+
+
+def _is_random_sampler(sampler: Any) -> bool:
+    """torch's ``RandomSampler``, or torchdata's stateful one (which does not derive from it)."""
+    if isinstance(sampler, RandomSampler):
+        return True
+    cls = type(sampler)
+    return cls.__name__ == "RandomSampler" and cls.__module__.startswith("torchdata.")
+
+
+def _is_stateful_loader(loader: Any) -> bool:
+    cls = type(loader)
+    return cls.__name__ == "StatefulDataLoader" and cls.__module__.startswith("torchdata.")
