@@ -325,6 +325,13 @@ def _train_epoch(t: Trainer, val_loaders: list[Any]) -> None:
     # several ranks must agree on the step to stop at, which they do about once a second.
     preemption = t._preemption
     several_ranks = preemption is not None and t.world_size > 1
+    # A plugin that cannot save the gradients of an unfinished accumulation cycle stops at the
+    # cycle's end instead (at most accumulate_grad_batches - 1 batches later), so that the
+    # pre-emption checkpoint still resumes exactly.
+    stop_at_steps = (
+        several_ranks and automatic and acc > 1 and bool(t.plugin.mid_accumulation_gradients_unsaved)
+    )
+    agreed_signal: Optional[int] = None
 
     iterator = _start_epoch_iterator(t, loader, start)
     if start and val_enabled and not t._validated_batch and _validation_due(t, start - 1, start >= n):
@@ -385,9 +392,10 @@ def _train_epoch(t: Trainer, val_loaders: list[Any]) -> None:
                 _pause(t)
             break
         if preemption is not None and (several_ranks or preemption.received is not None):
-            signum = preemption.agreed(t)
-            if signum is not None:
-                preemption.save_and_stop(t, signum)
+            if agreed_signal is None:
+                agreed_signal = preemption.agreed(t)
+            if agreed_signal is not None and (stepped or not stop_at_steps):
+                preemption.save_and_stop(t, agreed_signal)
     _end_train_epoch(t, cut)
 
 
