@@ -416,7 +416,7 @@ def with_distributed_sampler(loader: DataLoader, kind: str, num_replicas: int, r
     rank only. A loader with a custom sampler or batch sampler is left alone.
     """
     sampler = loader.sampler
-    shuffled = _is_random_sampler(sampler)
+    shuffled = is_random_sampler(sampler)
     if isinstance(sampler, DistributedSampler) or not (shuffled or isinstance(sampler, SequentialSampler)):
         return loader
     if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
@@ -456,7 +456,7 @@ def with_distributed_sampler(loader: DataLoader, kind: str, num_replicas: int, r
     return DataLoader(dataset, **kwargs)
 
 
-def _is_random_sampler(sampler: Any) -> bool:
+def is_random_sampler(sampler: Any) -> bool:
     """torch's ``RandomSampler``, or torchdata's stateful one (which does not derive from it)."""
     if isinstance(sampler, RandomSampler):
         return True

@@ -52,7 +52,7 @@ from torch.optim import Optimizer
 from trainer_core.containers import LRSchedulersContainer, OptimizersContainer
 from trainer_core.errors import CheckpointError, MisconfigurationException
 from trainer_core.optim import parse_optimizers
-from trainer_core.plugins.ddp import DDPPlugin, with_distributed_sampler
+from trainer_core.plugins.ddp import DDPPlugin, is_random_sampler, with_distributed_sampler
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
@@ -356,7 +356,7 @@ class PipelinePlugin(DDPPlugin):
         return {"num_replicas": self.data_parallel_size, "rank": self.dp_rank}
 
     def process_dataloader(self, dataloader: Any, kind: str, use_distributed_sampler: bool) -> Any:
-        from torch.utils.data import DataLoader, RandomSampler
+        from torch.utils.data import DataLoader
 
         if kind == "predict":
             raise MisconfigurationException(
@@ -366,7 +366,7 @@ class PipelinePlugin(DDPPlugin):
         if use_distributed_sampler and isinstance(dataloader, DataLoader):
             # The first and the last stage read the same batches: a shuffled order comes from a seed
             # (DistributedSampler), not from each rank's own global RNG.
-            shuffled = isinstance(dataloader.sampler, RandomSampler)
+            shuffled = is_random_sampler(dataloader.sampler)
             if self.data_parallel_size > 1 or (shuffled and self.world_size > 1):
                 dataloader = with_distributed_sampler(dataloader, kind, self.data_parallel_size, self.dp_rank)
         if not self._stage_ids:

@@ -68,6 +68,14 @@ class MatrixNet(LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
+    def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # PipelinePlugin runs forward through its stages and this on the last one.
+        return nn.functional.mse_loss(output, target)
+
+    @property
+    def head_name(self) -> str:
+        return f"net.{len(self.net) - 1}"
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         return nn.functional.mse_loss(self(x), y)
@@ -178,9 +186,12 @@ class SignalAtStart(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _plugin(name: str) -> Any:
-    from trainer_core.plugins import FSDPPlugin
+def _plugin(name: str, dropout: bool) -> Any:
+    from trainer_core.plugins import FSDPPlugin, PipelinePlugin
 
+    if name == "pipeline":
+        # Two stages on the two ranks: the body (with its dropout) and the head, two micro-batches.
+        return PipelinePlugin(split_points=[MatrixNet(dropout, "step").head_name], n_microbatches=2)
     if name == "fsdp_full":
         return FSDPPlugin(state_dict_type="full")
     if name == "fsdp_sharded":
@@ -194,7 +205,8 @@ def _local_weights(module: nn.Module) -> dict[str, torch.Tensor]:
     for name, tensor in module.state_dict().items():
         if hasattr(tensor, "to_local"):
             tensor = tensor.to_local()
-        out[name] = tensor.detach().clone()
+        if not tensor.is_meta:  # a pipeline rank holds its own stages' tensors only
+            out[name] = tensor.detach().clone()
     return out
 
 
@@ -212,7 +224,7 @@ class Scenario:
 
     def trainer(self, callbacks: list[Callback], **overrides: Any) -> Trainer:
         kwargs: dict[str, Any] = {
-            "plugins": _plugin(self.args.plugin),
+            "plugins": _plugin(self.args.plugin, self.dropout),
             "devices": self.args.devices,
             "max_steps": MAX_STEPS,
             "accumulate_grad_batches": self.accumulate,
