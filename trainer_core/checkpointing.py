@@ -222,15 +222,13 @@ def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, A
         # Every rank's generators: ranks draw different dropout masks, and an exact resume at the
         # same world size gives each rank back its own stream.
         rng = trainer._paused_rng if trainer._paused_rng is not None else collect_rng_states()
-        own = rank_loop_state(trainer)
-        per_rank = plugin.all_gather_object((rng, own) if own else rng)
-        if own:
-            rngs = [entry[0] for entry in per_rank]
-            loops[KEY_LOOP_PER_RANK] = [entry[1] for entry in per_rank]
-            # Rank 0's at the top as well: what a run at another world size takes.
-            loops.update(per_rank[0][1])
-        else:
-            rngs = per_rank
+        per_rank = plugin.all_gather_object((rng, rank_loop_state(trainer)))
+        rngs = [entry[0] for entry in per_rank]
+        owns = [entry[1] for entry in per_rank]
+        # Rank 0's at the top: what a run at another world size takes.
+        loops.update(owns[0])
+        if len(owns) > 1 and any(owns):
+            loops[KEY_LOOP_PER_RANK] = owns
         checkpoint[KEY_RNG] = rngs[0]
         if len(rngs) > 1:
             checkpoint[KEY_RNG_PER_RANK] = rngs
