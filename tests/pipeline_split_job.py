@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from trainer_core import LightningModule, Trainer, seed_everything
 from trainer_core.callbacks import Callback
+from trainer_core.errors import MisconfigurationException
 
 LR = 0.05
 N_SAMPLES = 32
@@ -238,15 +240,24 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=4)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    run(
-        Path(args.out).resolve(),
-        args.model,
-        args.plugin,
-        [p for p in args.split.split(",") if p],
-        args.schedule,
-        args.n_microbatches,
-        args.max_steps,
-    )
+    out = Path(args.out).resolve()
+    try:
+        run(
+            out,
+            args.model,
+            args.plugin,
+            [p for p in args.split.split(",") if p],
+            args.schedule,
+            args.n_microbatches,
+            args.max_steps,
+        )
+    except MisconfigurationException as err:
+        # Each rank leaves its own refusal: a rank the launcher ends first may print nothing.
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"refused.rank{os.environ.get('RANK', os.environ.get('LOCAL_RANK', '0'))}.txt").write_text(
+            str(err)
+        )
+        raise
 
 
 if __name__ == "__main__":

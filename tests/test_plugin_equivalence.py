@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 import pytest
 import torch
 from equivalence_job import SEED, BatchNormNet, DropoutNet, build, dataset, parse_cell
+from launch import job_env
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -63,17 +64,6 @@ LOSS_ATOL = 1e-5
 WEIGHT_ATOL = 1e-5
 #: BatchNorm under two ranks moves the weights at least this far from the one-process run.
 BATCHNORM_DIFFERS_BY = 1e-3
-_LAUNCH_VARS = {
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "GROUP_RANK",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "LOCAL_WORLD_SIZE",
-}
 
 
 # ---------------------------------------------------------------------- which cells run
@@ -114,9 +104,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         def __missing__(self, plugin: str) -> Path:
             tmp = tmp_path_factory.mktemp(f"equiv-{plugin}")
             cells = cells_for(plugin)
-            env = {
-                k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("SLURM_")
-            }
+            env = job_env()
+            # The ranks use as many threads as this process, which computes the references: with
+            # Adam, BatchNorm's near-zero gradients turn a different summation order into steps of
+            # a different sign (0.03 apart after 6 steps).
+            env.pop("OMP_NUM_THREADS")
             cmd = [sys.executable, JOB, "--out", "out", "--plugin", plugin, "--cells", ",".join(cells)]
             cmd += ["--batch-size", str(BATCH), "--steps", str(STEPS)]
             # ~1 s per cell, ~5 s per cell under ddp_spawn, on two busy cores; generous on top.

@@ -201,7 +201,10 @@ def test_stateful_dataloader_resumes_mid_epoch(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     "stop",
-    [pytest.param({"max_steps": 5}, id="max_steps-mid-epoch"), pytest.param({"max_epochs": 1}, id="max_epochs")],
+    [
+        pytest.param({"max_steps": 5}, id="max_steps-mid-epoch"),
+        pytest.param({"max_epochs": 1}, id="max_epochs"),
+    ],
 )
 def test_checkpoint_saved_after_fit_resumes_exactly_in_a_new_process(tmp_path: Path, stop: dict) -> None:
     """Train for a budget, save after ``fit`` returned, continue in the next job: the run that never stopped."""

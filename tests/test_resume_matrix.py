@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from launch import job_env
 from resume_matrix_job import LOADERS, MAX_STEPS, WRITERS
 
 JOB = str(Path(__file__).parent / "resume_matrix_job.py")
@@ -44,7 +45,6 @@ _NOT_UNDER_SPAWN = {"after_max_steps", "after_max_epochs", "after_early_stopping
 _NOT_UNDER_SPAWN |= {"after_preemption", "preemption_signal"}
 # Each fit under ddp_spawn starts two interpreters (about 6 s here): make test resumes from three writers.
 _SPAWN_WRITERS = ("every_n_train_steps", "epoch_end", "after_validation")
-_LAUNCH_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"}
 # Written between two optimizer steps of accumulation (validation at batch 3, the Timer's stop at
 # batch 1): under FSDP the accumulated gradients stay inside FSDP, out of the checkpoint, and the save
 # warns. (A pre-emption there waits for the cycle's end under FSDP, so it is compared.)
@@ -93,8 +93,7 @@ def test_the_subset_covers_every_pair() -> None:
 
 
 def _run_job(out: Path, plugin: str, specs: list[str]) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("SLURM_")}
-    env["OMP_NUM_THREADS"] = "1"
+    env = job_env()
     devices = "1" if plugin == "single_device" else "2"
     cmd = [sys.executable, JOB, "--out", str(out), "--plugin", plugin, "--devices", devices]
     if plugin == "ddp_spawn" and not FULL:
