@@ -104,11 +104,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         def __missing__(self, plugin: str) -> Path:
             tmp = tmp_path_factory.mktemp(f"equiv-{plugin}")
             cells = cells_for(plugin)
-            env = job_env()
-            # The ranks use as many threads as this process, which computes the references: with
-            # Adam, BatchNorm's near-zero gradients turn a different summation order into steps of
-            # a different sign (0.03 apart after 6 steps).
-            env.pop("OMP_NUM_THREADS")
+            env = job_env()  # one thread per rank, as the references (``one_process``) use
             cmd = [sys.executable, JOB, "--out", "out", "--plugin", plugin, "--cells", ",".join(cells)]
             cmd += ["--batch-size", str(BATCH), "--steps", str(STEPS)]
             # ~1 s per cell, ~5 s per cell under ddp_spawn, on two busy cores; generous on top.
@@ -161,6 +157,19 @@ def one_process(
     ``loss_fn(model, x, y, part0, part1, batch_idx)`` replaces the loss on the whole batch (the
     BatchNorm reference normalises each rank's part on its own).
     """
+    # One thread, as each rank of the jobs: with Adam, BatchNorm's near-zero gradients turn another
+    # summation order into steps of another sign (0.03 apart after 6 steps).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _one_process(cell, model, loss_fn)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _one_process(
+    cell: str, model: Optional[Any], loss_fn: Optional[Callable[..., torch.Tensor]]
+) -> tuple[Any, list[float]]:
     _, _, accumulate = parse_cell(cell)
     model = model if model is not None else build(cell)
     optimizer = model.configure_optimizers()
