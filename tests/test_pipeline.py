@@ -9,13 +9,13 @@ checkpoints that load at any other pipeline degree.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from launch import job_env
 from pipeline_job import PipeNet, data
 from torch.utils.data import DataLoader
 
@@ -28,25 +28,13 @@ from trainer_core.plugins.io import DistributedCheckpointIO, TorchCheckpointIO
 JOB = str(Path(__file__).parent / "pipeline_job.py")
 STEPS = 16  # two epochs of 8 batches, validation after each
 LOSS_TOL = 1e-5
-_LAUNCH_VARS = {
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "GROUP_RANK",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "LOCAL_WORLD_SIZE",
-}
 
 pytestmark = pytest.mark.timeout(400)
 
 
 def _run(out: Path, *args: str) -> list[dict[str, Any]]:
     """Run the job; every rank's record, in rank order."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("SLURM_")}
-    env["OMP_NUM_THREADS"] = "1"
+    env = job_env()
     proc = subprocess.run(
         [sys.executable, JOB, "--out", str(out), *args],
         cwd=out.parent,
