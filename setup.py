@@ -49,7 +49,7 @@ _EXTRAS = {
         "fairscale==0.4.13",
         # RichProgressBar, an optional progress bar.
         "rich>=13",
-        # Property-based round trips of random modules and optimizers (tests/test_reliability_bad_files.py).
+        # Property-based round trips of random modules and optimizers (tests/reliability/test_bad_files.py).
         "hypothesis>=6.100",
         # TensorBoardLogger (event files read back with TensorBoard's reader), the plot and the CLI.
         "tensorboard>=2.9",

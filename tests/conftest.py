@@ -1,4 +1,14 @@
-"""Fixtures shared by the test files."""
+"""Fixtures shared by the test files, and where things are.
+
+The folders follow the source: ``core/`` (Trainer, loops, hooks, logging, optimizers, CLI),
+``plugins/``, ``callbacks/``, ``checkpoint/`` (IO, format, resume), ``loggers/``, and
+``reliability/`` (kills, faults, bad files, security; RELIABILITY.md names each test).
+``helpers/`` holds what tests share (``boring``: a tiny module, random data, a quiet Trainer;
+``launch``: the environment of a job started by path; ``faulty_fs``, ``s3_server``, ``malicious``).
+``jobs/`` holds the scripts tests start in child processes the way a user starts a script; a test
+imports a job's model from it to compute the reference. Both folders are on ``sys.path``
+(``pythonpath`` in pyproject.toml), so their modules import by name and test file names are unique.
+"""
 
 from __future__ import annotations
 
