@@ -21,9 +21,7 @@ from __future__ import annotations
 import math
 import os
 import re
-import shutil
 import time
-import uuid
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -35,8 +33,6 @@ from trainer_core.errors import MisconfigurationException
 from trainer_core.utilities import rank_zero_warn
 
 if TYPE_CHECKING:
-    import fsspec
-
     from trainer_core.module import LightningModule
     from trainer_core.trainer import Trainer
 
@@ -427,9 +423,7 @@ class ModelCheckpoint(Callback):
             self._written.add(filepath)
             self._link(trainer, target, filepath)
         else:
-            if trainer.is_global_zero:
-                _unlink_if_symlink(filepath)
-            self._write(trainer, filepath)
+            self._write(trainer, filepath)  # the IO replaces a link at ``filepath`` as it replaces a file
         return [previous] if previous and previous != filepath else []
 
     def _write(self, trainer: Trainer, filepath: str) -> None:
@@ -456,17 +450,8 @@ class ModelCheckpoint(Callback):
     def _link(self, trainer: Trainer, target: str, linkpath: str) -> None:
         """Make ``linkpath`` show the checkpoint at ``target`` without writing the run again."""
         if trainer.is_global_zero:
-            io = trainer.plugin.checkpoint_io
-            fs, link_fs_path = paths.resolve(linkpath)
-            _, target_fs_path = paths.resolve(target)
-            if paths.is_local(fs):
-                _replace_with_symlink(target_fs_path, link_fs_path)
-            else:
-                wait = getattr(io, "wait", None)
-                if callable(wait):
-                    wait()  # an asynchronous write of the target must be complete before it is copied
-                io.remove_checkpoint(linkpath)
-                _copy_on_store(fs, target_fs_path, link_fs_path)
+            # The IO publishes the link as it publishes a save (an asynchronous IO after its write).
+            trainer.plugin.checkpoint_io.link(target, linkpath)
         trainer.plugin.barrier("ModelCheckpoint.link")
         self._last_global_step_saved = trainer.global_step
 
@@ -506,44 +491,6 @@ class ModelCheckpoint(Callback):
                 candidate = f"{stem}{CHECKPOINT_JOIN_CHAR}v{version}{CHECKPOINT_EXT}"
                 version += 1
         return trainer.plugin.broadcast(candidate)
-
-
-def _replace_with_symlink(target: str, link: str) -> None:
-    """Point ``link`` at ``target`` (relative, so the folder can move) in one atomic rename."""
-    from trainer_core.plugins.io.checkpoint_io import TEMP_INFIX
-
-    folder, name = os.path.split(link)
-    os.makedirs(folder, exist_ok=True)
-    temp = os.path.join(folder, f".{name}{TEMP_INFIX}{uuid.uuid4().hex[:12]}")
-    os.symlink(os.path.relpath(target, folder), temp)
-    if os.path.isdir(link) and not os.path.islink(link):
-        shutil.rmtree(link)  # a sharded checkpoint folder cannot be renamed over
-    os.replace(temp, link)
-
-
-def _unlink_if_symlink(url: str) -> None:
-    """Remove a local ``last`` link before ``last`` is written in full (a folder cannot replace a link)."""
-    fs, fs_path = paths.resolve(url)
-    if paths.is_local(fs) and os.path.islink(fs_path):
-        os.unlink(fs_path)
-
-
-def _copy_on_store(fs: fsspec.AbstractFileSystem, target: str, link: str) -> None:
-    """Server-side copy of a checkpoint on an object store, published the way its writer publishes it.
-
-    A file gets its commit marker after the copy; a sharded folder gets DCP's metadata file last,
-    so a reader never picks a half-made copy.
-    """
-    from trainer_core.plugins.io.checkpoint_io import write_commit_marker
-    from trainer_core.plugins.io.distributed_io import METADATA_FILE
-
-    if not fs.isdir(target):
-        fs.copy(target, link)
-        write_commit_marker(fs, link, size=fs.size(link))
-        return
-    files = sorted(fs.find(target), key=lambda p: p.rsplit("/", 1)[-1] == METADATA_FILE)
-    for path in files:
-        fs.copy(path, link + path[len(target.rstrip("/")) :])
 
 
 def _versions_root(log_dir: str) -> Optional[str]:

@@ -1,11 +1,19 @@
-"""Checkpoint IO plugins: how checkpoints are written to and read from storage."""
+"""Checkpoint IO plugins: how checkpoints are written to and read from storage.
+
+``DistributedCheckpointIO`` is imported on first use: it brings in ``torch.distributed.checkpoint``
+and DTensor, most of a second that every process (each rank, each CLI call) would pay otherwise.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from trainer_core.plugins.io.async_io import AsyncCheckpointIO
-from trainer_core.plugins.io.checkpoint_io import COMMIT_MARKER_SUFFIX, CheckpointIO
-from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
+from trainer_core.plugins.io.checkpoint_io import COMMIT_MARKER_SUFFIX, CheckpointIO, WrappingCheckpointIO
 from trainer_core.plugins.io.torch_io import TorchCheckpointIO
+
+if TYPE_CHECKING:
+    from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
 
 __all__ = [
     "COMMIT_MARKER_SUFFIX",
@@ -13,4 +21,13 @@ __all__ = [
     "CheckpointIO",
     "DistributedCheckpointIO",
     "TorchCheckpointIO",
+    "WrappingCheckpointIO",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DistributedCheckpointIO":
+        from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
+
+        return DistributedCheckpointIO
+    raise AttributeError(f"module 'trainer_core.plugins.io' has no attribute {name!r}")

@@ -14,7 +14,8 @@ How a save goes:
   run asynchronously to each other; the save waits for them before it returns.
 * **Write.** One background thread hands the staged copy to the wrapped IO, whose
   ``save_checkpoint`` makes the write atomic. A failure is kept and raised by the next save or by
-  :meth:`AsyncCheckpointIO.teardown`, which the Trainer calls at the end of every run.
+  :meth:`AsyncCheckpointIO.teardown`, which the Trainer calls at the end of every run. A
+  :meth:`~AsyncCheckpointIO.link` runs on the same thread after the write it shows.
 
 Readers (load, ``is_complete``, ``list_complete``) and ``remove_checkpoint`` first wait for the
 pending write, so ``ckpt_path="last"`` sees the newest checkpoint and never a half-written one, and
@@ -31,17 +32,18 @@ from __future__ import annotations
 import copy
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import fsspec
 import torch
 from torch import nn
 
 from trainer_core.errors import CheckpointError
 from trainer_core.paths import PathLike
-from trainer_core.plugins.io.checkpoint_io import CheckpointIO
+from trainer_core.plugins.io.checkpoint_io import CheckpointIO, WrappingCheckpointIO
 from trainer_core.plugins.io.torch_io import TorchCheckpointIO
 
 _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
@@ -155,31 +157,37 @@ class _StagingBuffers:
 
 
 @dataclass
-class _PendingSave:
+class _Pending:
+    """A write or link handed to the background thread, and what it was, for the error that names it."""
+
+    what: str
     path: str
     future: Future
 
 
-class AsyncCheckpointIO(CheckpointIO):
+class AsyncCheckpointIO(WrappingCheckpointIO):
     """Writes checkpoints on a background thread through ``checkpoint_io``; training waits only for the copy.
 
     Args:
-        checkpoint_io: the IO that writes (and reads) the files; :class:`TorchCheckpointIO` by default.
+        checkpoint_io: the IO that writes (and reads) the files, :attr:`inner` from then on;
+            :class:`TorchCheckpointIO` by default.
 
     Use it as ``Trainer(plugins=[AsyncCheckpointIO()])``. An error of a background write is raised
     by the next ``save_checkpoint`` or by :meth:`teardown` (the end of ``fit``), as a
     :class:`~trainer_core.errors.CheckpointError` naming the checkpoint (or by ``remove_checkpoint``,
-    which then removes nothing).
+    which then removes nothing). :meth:`link` runs on the same thread after the write of the
+    checkpoint it shows, so training does not wait for it either.
     """
 
     def __init__(self, checkpoint_io: Optional[CheckpointIO] = None) -> None:
-        self.checkpoint_io = checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
+        super().__init__(checkpoint_io if checkpoint_io is not None else TorchCheckpointIO())
         self._buffers = _StagingBuffers()
         self._lock = threading.RLock()
         self._executor: Optional[ThreadPoolExecutor] = None
-        self._pending: Optional[_PendingSave] = None
+        # In the order submitted; one thread runs them in that order.
+        self._pending: list[_Pending] = []
 
-    # ---------------------------------------------------------------- save
+    # ---------------------------------------------------------------- save and link
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: PathLike, storage_options: Optional[dict[str, Any]] = None
@@ -188,15 +196,26 @@ class AsyncCheckpointIO(CheckpointIO):
         with self._lock:
             self._raise_failed_save()
             staged = self._buffers.stage(checkpoint)
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="trainer-core-async-checkpoint"
-                )
-            future = self._executor.submit(self.checkpoint_io.save_checkpoint, staged, path, storage_options)
-            self._pending = _PendingSave(os.fspath(path), future)
+            self._submit("write", path, self.inner.save_checkpoint, staged, path, storage_options)
+
+    def link(self, src: PathLike, dst: PathLike) -> None:
+        """Link ``dst`` to ``src`` in the background, once the pending write of ``src`` is done.
+
+        If that write failed, the link is not made and the write's error is raised as for a save.
+        """
+        with self._lock:
+            previous = self._pending[-1].future if self._pending else None
+            self._submit("link", dst, _link_after, previous, self.inner, src, dst)
+
+    def _submit(self, what: str, path: PathLike, fn: Any, *args: Any) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="trainer-core-async-checkpoint"
+            )
+        self._pending.append(_Pending(what, os.fspath(path), self._executor.submit(fn, *args)))
 
     def wait(self) -> None:
-        """Block until the background write (if any) has finished; raise its error if it failed."""
+        """Block until the background writes (if any) have finished; raise the first error if one failed."""
         with self._lock:
             self._raise_failed_save()
 
@@ -213,32 +232,34 @@ class AsyncCheckpointIO(CheckpointIO):
                     self._executor.shutdown(wait=True)
                     self._executor = None
                 self._buffers.release()
-                self.checkpoint_io.teardown()
+                super().teardown()
 
     def _wait_for_pending(self) -> None:
-        """Block until the pending write finished; a failure stays for the next save or teardown."""
-        pending = self._pending
-        if pending is not None and pending.future.exception() is None:  # exception() waits
-            self._pending = None
+        """Block until the pending writes finished; a failure stays for the next save or teardown."""
+        self._pending = [p for p in self._pending if p.future.exception() is not None]  # exception() waits
 
     def _raise_failed_save(self) -> None:
         self._wait_for_pending()
-        failed, self._pending = self._pending, None
-        if failed is None:
+        failed, self._pending = self._pending, []
+        if not failed:
             return
-        err = failed.future.exception()
+        first = failed[0]  # a link after a failed write fails because of it: the write's error says why
+        err = first.future.exception()
         cause = str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
         raise CheckpointError(
-            f"The background write of the checkpoint {failed.path} failed: {cause} "
+            f"The background {first.what} of the checkpoint {first.path} failed: {cause} "
             "(AsyncCheckpointIO raises a write's error at the next save or at the end of the run.)"
         ) from err
 
     # ---------------------------------------------------------------- read and remove
 
-    def load_checkpoint(self, path: PathLike, map_location: Optional[Any] = None) -> dict[str, Any]:
+    @contextmanager
+    def _calling_inner(self) -> Iterator[None]:
+        # Readers see the newest checkpoint and never a half-written one, and ``inner`` is never
+        # called from two threads at once.
         with self._lock:
             self._wait_for_pending()
-            return self.checkpoint_io.load_checkpoint(path, map_location=map_location)
+            yield
 
     def remove_checkpoint(self, path: PathLike) -> None:
         """Remove ``path`` once the pending write finished; if that write failed, raise instead.
@@ -248,22 +269,11 @@ class AsyncCheckpointIO(CheckpointIO):
         """
         with self._lock:
             self._raise_failed_save()
-            self.checkpoint_io.remove_checkpoint(path)
+            self.inner.remove_checkpoint(path)
 
-    def is_complete(self, path: PathLike) -> bool:
-        with self._lock:
-            self._wait_for_pending()
-            return self.checkpoint_io.is_complete(path)
 
-    def list_complete(self, dir_url: PathLike, suffix: Optional[str] = ".ckpt") -> list[str]:
-        with self._lock:
-            self._wait_for_pending()
-            return self.checkpoint_io.list_complete(dir_url, suffix)
-
-    def latest_complete(self, dir_url: PathLike, suffix: Optional[str] = ".ckpt") -> Optional[str]:
-        with self._lock:
-            self._wait_for_pending()
-            return self.checkpoint_io.latest_complete(dir_url, suffix)
-
-    def _resolve(self, path: PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
-        return self.checkpoint_io._resolve(path)
+def _link_after(previous: Optional[Future], io: CheckpointIO, src: PathLike, dst: PathLike) -> None:
+    """Runs on the writer thread, so ``previous`` (the write ``src`` waits for) has finished."""
+    if previous is not None and previous.exception() is not None:
+        raise CheckpointError(f"{os.fspath(dst)} was not linked to {os.fspath(src)}, whose write failed.")
+    io.link(src, dst)

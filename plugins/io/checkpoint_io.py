@@ -1,8 +1,11 @@
 """The checkpoint IO contract: how a checkpoint reaches storage, and which stored ones a reader may pick.
 
 Method names follow Lightning's ``CheckpointIO`` so a user's IO plugin ports by changing its import.
-Two methods are added because resuming with ``ckpt_path="last"`` must never pick a checkpoint that a
-killed writer left half-written: :meth:`CheckpointIO.is_complete` and :meth:`CheckpointIO.list_complete`.
+The base adds what every reader and the callbacks need, so none of them re-implements the protocol
+below: :meth:`CheckpointIO.is_complete` and :meth:`CheckpointIO.list_complete` (``ckpt_path="last"``
+must never pick a checkpoint that a killed writer left half-written), :meth:`CheckpointIO.link`
+(``ModelCheckpoint(save_last="link")``), :meth:`CheckpointIO.wait` and, for an IO that wraps another
+(:class:`WrappingCheckpointIO`, e.g. the asynchronous one), :attr:`CheckpointIO.unwrapped`.
 
 How "complete" is decided depends on the storage:
 
@@ -12,6 +15,8 @@ How "complete" is decided depends on the storage:
   writes the object and then a small commit marker next to it, ``<name>`` + :data:`COMMIT_MARKER_SUFFIX`.
   The marker records the object's size; a checkpoint is complete when its marker exists and the size
   matches, so a marker left over from an earlier save never vouches for a different, torn object.
+* A folder (a sharded checkpoint) is complete when the files its IO names in
+  :meth:`CheckpointIO.folder_commit_files` are there; its writer writes the last of them last.
 """
 
 from __future__ import annotations
@@ -23,11 +28,15 @@ import re
 import shutil
 import stat
 import time
+import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from typing import Any, Optional
 
 import fsspec
 
+from trainer_core.errors import CheckpointError
 from trainer_core.paths import PathLike, is_local, join, resolve
 
 #: Suffix of the commit marker written after a checkpoint object on non-local storage.
@@ -38,7 +47,7 @@ TEMP_INFIX = ".tmp-"
 _MARKER_WRITER = "trainer-core"
 
 # Exactly the temporary names our writers make: ``.<name>.tmp-<hex id>`` (files and sharded
-# folders) and ``.<name>.tmp-old-<hex id>`` (a replaced sharded folder on its way out).
+# folders) and ``.<name>.tmp-old-<hex id>`` (a replaced folder or link on its way out).
 _OWN_TEMPORARY = re.compile(r"^\..+\.tmp-(?:old-)?[0-9a-f]{8,12}$")
 # A temporary this recent is never removed: its writer locks it right after creating it, and this
 # covers the moment in between (were it hit, that writer's save would fail, never a torn file).
@@ -113,6 +122,51 @@ def remove_abandoned_temporaries(folder: str) -> list[str]:
     return removed
 
 
+def temporary_path(path: str, old: bool = False) -> str:
+    """A fresh temporary name next to the local ``path``: ``.<name>.tmp-<hex>`` (``.tmp-old-<hex>`` for
+    an entry on its way out), a name readers skip and :func:`remove_abandoned_temporaries` recognises."""
+    folder, name = os.path.split(path.rstrip("/"))
+    return os.path.join(folder, f".{name}{TEMP_INFIX}{'old-' if old else ''}{uuid.uuid4().hex[:12]}")
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename in local folder ``path`` durable; some filesystems cannot open a folder, which is fine."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _is_real_dir(path: str) -> bool:
+    return os.path.isdir(path) and not os.path.islink(path)
+
+
+def replace_entry(new: str, final: str) -> None:
+    """Put the local file, link or folder ``new`` at ``final``; a reader sees the old entry or the new one.
+
+    A file or a link is renamed over ``final`` in one step. A folder can be neither renamed over nor
+    replaced by a file in one rename, so the old entry is renamed aside first (for a moment there is
+    no ``final``, never half of one) and then removed.
+    """
+    if not os.path.lexists(final) or not (_is_real_dir(new) or _is_real_dir(final)):
+        os.replace(new, final)
+        return
+    old = temporary_path(final, old=True)
+    os.replace(final, old)
+    os.replace(new, final)
+    if _is_real_dir(old):
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        with suppress(OSError):
+            os.remove(old)
+
+
 def write_commit_marker(fs: fsspec.AbstractFileSystem, path: str, size: Optional[int]) -> None:
     """Publish the checkpoint at ``path``: write its marker, recording ``size`` (``None`` for a folder).
 
@@ -138,7 +192,13 @@ def _basename(path: str) -> str:
 
 
 class CheckpointIO(ABC):
-    """Writes, reads and removes checkpoints; subclasses decide the file format and the storage layout."""
+    """Writes, reads and removes checkpoints; subclasses decide the file format and the storage layout.
+
+    Three methods are the whole of what a subclass must write (``save_checkpoint``,
+    ``load_checkpoint``, ``remove_checkpoint``). The publish protocol (which stored checkpoints are
+    complete, when each was published, how one is linked under another name) lives here once; an IO
+    that writes folders names the files that complete one in :meth:`folder_commit_files`.
+    """
 
     @abstractmethod
     def save_checkpoint(
@@ -157,9 +217,31 @@ class CheckpointIO(ABC):
     def teardown(self) -> None:  # noqa: B027 (an optional hook: most IO holds nothing)
         """Release what the IO holds (threads, pools) when training ends."""
 
+    def wait(self) -> None:  # noqa: B027 (an optional hook: a synchronous IO has nothing pending)
+        """Block until every save and link this IO was asked for has reached storage; raise a failed one's error.
+
+        A synchronous IO returns at once; an asynchronous one (:class:`AsyncCheckpointIO`) waits here.
+        """
+
+    @property
+    def unwrapped(self) -> CheckpointIO:
+        """The IO that does the writing: ``self``, or for a :class:`WrappingCheckpointIO` its ``inner``'s."""
+        return self
+
     def _resolve(self, path: PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
         """Turn ``path`` into ``(filesystem, path)``; subclasses add their storage options here."""
         return resolve(path)
+
+    # ------------------------------------------------------------------ completeness
+    def folder_commit_files(self) -> tuple[str, ...]:
+        """The files that make a folder a complete checkpoint, in the order its writer writes them.
+
+        The completeness hook for an IO that writes a checkpoint as a folder of files: a folder is
+        complete when all of them exist, and its writer writes the last of them last, so that
+        file's time is the folder's publication time and a copy (:meth:`link`) writes it last. The
+        default, no files, means this IO writes single files and no folder is a checkpoint.
+        """
+        return ()
 
     def is_complete(self, path: PathLike) -> bool:
         """Whether the checkpoint at ``path`` was fully written and may be picked by a reader."""
@@ -170,10 +252,8 @@ class CheckpointIO(ABC):
         if is_temporary_name(_basename(fs_path)) or fs_path.endswith(COMMIT_MARKER_SUFFIX):
             return False
         if fs.isdir(fs_path):
-            # A folder is a sharded checkpoint: complete once DCP's metadata (written last) is there.
-            from trainer_core.plugins.io.distributed_io import METADATA_FILE, TRAINER_STATE_FILE
-
-            return fs.exists(f"{fs_path}/{METADATA_FILE}") and fs.exists(f"{fs_path}/{TRAINER_STATE_FILE}")
+            files = self.folder_commit_files()
+            return bool(files) and all(fs.exists(f"{fs_path.rstrip('/')}/{name}") for name in files)
         if is_local(fs):
             return fs.exists(fs_path)
         marker = read_commit_marker(fs, fs_path)
@@ -210,15 +290,14 @@ class CheckpointIO(ABC):
         complete = self.list_complete(dir_url, suffix)
         return complete[-1] if complete else None
 
-    @staticmethod
-    def _saved_at(fs: fsspec.AbstractFileSystem, info: dict[str, Any]) -> float:
+    def _saved_at(self, fs: fsspec.AbstractFileSystem, info: dict[str, Any]) -> float:
         """When the checkpoint described by ``info`` was published, as a POSIX timestamp."""
         if info.get("type") == "directory" and not is_local(fs):
-            # An object store's "folder" has no time of its own: a sharded checkpoint was published
-            # when its metadata, written last, was.
-            from trainer_core.plugins.io.distributed_io import METADATA_FILE
-
-            info = fs.info(f"{info['name']}/{METADATA_FILE}")
+            # An object store's "folder" has no time of its own: it was published when the file its
+            # writer writes last was.
+            files = self.folder_commit_files()
+            if files:
+                info = fs.info(f"{info['name'].rstrip('/')}/{files[-1]}")
         if not is_local(fs):
             marker = read_commit_marker(fs, info["name"])
             if marker is not None and isinstance(marker.get("saved_at"), (int, float)):
@@ -230,3 +309,185 @@ class CheckpointIO(ABC):
             if hasattr(value, "timestamp"):
                 return value.timestamp()
         return fs.modified(info["name"]).timestamp()
+
+    # ------------------------------------------------------------------ linking
+    def link(self, src: PathLike, dst: PathLike) -> None:
+        """Publish ``dst`` as a complete checkpoint showing the complete checkpoint ``src``, without saving again.
+
+        What ``ModelCheckpoint(save_last="link")`` does. On local disk ``dst`` becomes a relative
+        symlink (the folder can move), made under a temporary name and renamed over ``dst``; where
+        the filesystem has no symlinks, a copy published the same way. Object stores have neither
+        links nor rename: ``dst`` becomes a server-side copy, published as a save is (a file's commit
+        marker after it, a folder's :meth:`folder_commit_files` last). A reader sees the previous
+        ``dst`` or the new one whole; a folder on an object store is incomplete, so never picked,
+        while it is copied. Called by one process (rank 0). If it fails, the previous ``dst`` stays
+        except for a folder on an object store.
+        """
+        src_fs, src_path = self._resolve(src)
+        fs, dst_path = self._resolve(dst)
+        if type(src_fs) is not type(fs):
+            raise CheckpointError(
+                f"Cannot link {os.fspath(dst)} to {os.fspath(src)}: they are on different storage; "
+                "keep both in one folder or bucket, or save the checkpoint in full instead."
+            )
+        if src_path.rstrip("/") == dst_path.rstrip("/"):
+            return  # already shows itself
+        if not self._is_complete(src_fs, src_path):
+            raise CheckpointError(
+                f"Cannot link {os.fspath(dst)} to {os.fspath(src)}: {os.fspath(src)} is not a complete "
+                "checkpoint (missing, or its save did not finish). Link to a checkpoint that was saved, "
+                "or save the checkpoint in full instead."
+            )
+        if is_local(fs):
+            _publish_local_link(src_path, dst_path)
+        else:
+            self._publish_copy(fs, src_path, dst_path)
+
+    def _publish_copy(self, fs: fsspec.AbstractFileSystem, src: str, dst: str) -> None:
+        """Server-side copy of the complete checkpoint ``src`` to ``dst``, published the way a save is."""
+        src, dst = src.rstrip("/"), dst.rstrip("/")
+        if fs.isdir(src) or fs.isdir(dst):
+            # A folder cannot be replaced in one step: the old ``dst`` is made incomplete and removed
+            # first, and the copy becomes complete with its commit files, copied last.
+            self._unpublish(fs, dst)
+        if not fs.isdir(src):
+            # One object copy replaces ``dst`` whole; the old marker's size does not vouch for a
+            # different object, and the new marker follows the copy.
+            fs.copy(src, dst)
+            write_commit_marker(fs, dst, size=fs.size(dst))
+            return
+        commit = self.folder_commit_files()
+        names = [path[len(src) + 1 :] for path in fs.find(src)]
+        ordered = sorted(names, key=lambda n: commit.index(n) if n in commit else -1)
+        for name in ordered:
+            fs.copy(f"{src}/{name}", f"{dst}/{name}")
+
+    def _unpublish(self, fs: fsspec.AbstractFileSystem, path: str) -> None:
+        """Make the checkpoint at ``path`` on an object store incomplete (its commit file first), then remove it."""
+        for name in reversed(self.folder_commit_files()):
+            with suppress(FileNotFoundError):
+                if fs.isfile(f"{path}/{name}"):
+                    fs.rm(f"{path}/{name}")
+        with suppress(FileNotFoundError):
+            if fs.exists(commit_marker_path(path)):
+                fs.rm(commit_marker_path(path))
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
+
+
+def _publish_local_link(src: str, dst: str) -> None:
+    """Make the local ``dst`` a relative symlink to ``src`` (a copy without symlinks), atomically."""
+    folder = os.path.dirname(dst)
+    os.makedirs(folder, exist_ok=True)
+    temp = temporary_path(dst)
+    try:
+        try:
+            os.symlink(os.path.relpath(src, folder), temp)
+        except OSError:
+            # No symlinks on this filesystem (some network and FUSE mounts): a copy, published alike.
+            with _locked_copy(src, temp):
+                replace_entry(temp, dst)
+        else:
+            replace_entry(temp, dst)
+    except BaseException:
+        if _is_real_dir(temp):
+            shutil.rmtree(temp, ignore_errors=True)
+        elif os.path.lexists(temp):
+            os.remove(temp)
+        raise
+    fsync_dir(folder)
+
+
+@contextmanager
+def _locked_copy(src: str, temp: str) -> Iterator[None]:
+    """Copy the local file or folder ``src`` to the temporary ``temp``, locked (see :func:`lock_temporary`)
+    while the caller publishes it, and synced to disk first."""
+    if os.path.isdir(src):
+        os.makedirs(temp)
+        fd = os.open(temp, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            lock_temporary(fd)
+            shutil.copytree(src, temp, dirs_exist_ok=True)
+            yield
+        finally:
+            os.close(fd)
+        return
+    with open(src, "rb") as source, open(temp, "wb") as target:
+        lock_temporary(target.fileno())
+        shutil.copyfileobj(source, target, 2**24)
+        target.flush()
+        os.fsync(target.fileno())
+        yield
+
+
+class WrappingCheckpointIO(CheckpointIO):
+    """An IO that changes how another IO, ``inner``, is called (e.g. in the background) and forwards the rest.
+
+    Every call it does not change goes to ``inner`` through :meth:`_calling_inner`, the one place a
+    subclass puts what must happen around such a call (the asynchronous IO waits there for its
+    pending write). :attr:`unwrapped` reaches the IO that does the writing through any number of
+    wrappers.
+    """
+
+    def __init__(self, inner: CheckpointIO) -> None:
+        self.inner = inner
+
+    @property
+    def unwrapped(self) -> CheckpointIO:
+        return self.inner.unwrapped
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """Lightning's name for :attr:`inner`."""
+        return self.inner
+
+    @contextmanager
+    def _calling_inner(self) -> Iterator[None]:
+        """Held around every call forwarded to ``inner``."""
+        yield
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: PathLike, storage_options: Optional[dict[str, Any]] = None
+    ) -> None:
+        with self._calling_inner():
+            self.inner.save_checkpoint(checkpoint, path, storage_options)
+
+    def load_checkpoint(self, path: PathLike, map_location: Optional[Any] = None) -> dict[str, Any]:
+        with self._calling_inner():
+            return self.inner.load_checkpoint(path, map_location=map_location)
+
+    def remove_checkpoint(self, path: PathLike) -> None:
+        with self._calling_inner():
+            self.inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.inner.teardown()
+
+    def wait(self) -> None:
+        self.inner.wait()
+
+    def folder_commit_files(self) -> tuple[str, ...]:
+        return self.inner.folder_commit_files()
+
+    def is_complete(self, path: PathLike) -> bool:
+        with self._calling_inner():
+            return self.inner.is_complete(path)
+
+    def list_complete(self, dir_url: PathLike, suffix: Optional[str] = ".ckpt") -> list[str]:
+        with self._calling_inner():
+            return self.inner.list_complete(dir_url, suffix)
+
+    def latest_complete(self, dir_url: PathLike, suffix: Optional[str] = ".ckpt") -> Optional[str]:
+        with self._calling_inner():
+            return self.inner.latest_complete(dir_url, suffix)
+
+    def saved_at(self, path: PathLike) -> float:
+        with self._calling_inner():
+            return self.inner.saved_at(path)
+
+    def link(self, src: PathLike, dst: PathLike) -> None:
+        with self._calling_inner():
+            self.inner.link(src, dst)
+
+    def _resolve(self, path: PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
+        return self.inner._resolve(path)

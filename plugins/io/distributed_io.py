@@ -18,7 +18,6 @@ import io
 import os
 import pickle
 import shutil
-import uuid
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -41,15 +40,18 @@ from trainer_core.checkpoint import (
 from trainer_core.errors import CheckpointError
 from trainer_core.paths import PathLike
 from trainer_core.plugins.io.checkpoint_io import (
-    TEMP_INFIX,
     CheckpointIO,
     lock_temporary,
     remove_abandoned_temporaries,
+    replace_entry,
+    temporary_path,
 )
 from trainer_core.plugins.io.torch_io import _GuardedWriter
 
 METADATA_FILE = ".metadata"
 TRAINER_STATE_FILE = "trainer_state.pt"
+#: What completes a sharded folder, in the order it is written: rank 0's trainer state, then DCP's metadata.
+SHARDED_COMMIT_FILES = (TRAINER_STATE_FILE, METADATA_FILE)
 _SHARDED_KEYS = (KEY_STATE_DICT, KEY_OPTIMIZER_STATES)
 
 
@@ -68,6 +70,9 @@ class DistributedCheckpointIO(CheckpointIO):
     def _resolve(self, path: PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
         return paths.resolve(path, **self._storage_options)
 
+    def folder_commit_files(self) -> tuple[str, ...]:
+        return SHARDED_COMMIT_FILES
+
     # ------------------------------------------------------------------ writing
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: PathLike, storage_options: Optional[Any] = None
@@ -80,13 +85,7 @@ class DistributedCheckpointIO(CheckpointIO):
         rank = dist.get_rank() if dist.is_initialized() else 0
         # A local folder is built under a temporary name and swapped in whole, so an existing
         # checkpoint of the same name stays readable until the new one is complete.
-        target = (
-            _agree(
-                f"{os.path.dirname(fs_path)}/.{os.path.basename(fs_path)}{TEMP_INFIX}{uuid.uuid4().hex[:8]}"
-            )
-            if local
-            else fs_path
-        )
+        target = _agree(temporary_path(fs_path)) if local else fs_path
         sharded = {key: checkpoint[key] for key in _SHARDED_KEYS if key in checkpoint}
         rest = {key: value for key, value in checkpoint.items() if key not in _SHARDED_KEYS}
         held: Optional[int] = None  # rank 0's lock on the local temporary folder
@@ -113,7 +112,8 @@ class DistributedCheckpointIO(CheckpointIO):
             dcp.save(sharded, storage_writer=writer, no_dist=not _distributed())
             _barrier()
             if rank == 0 and local:
-                _swap_in(target, fs_path)
+                # Also over a ``save_last="link"`` symlink, which a folder cannot be renamed over.
+                replace_entry(target, fs_path)
             _barrier()
         except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
             if rank == 0 and local and os.path.isdir(target):
@@ -460,15 +460,15 @@ def _restore_empty_containers(checkpoint: dict[str, Any]) -> None:
         if KEY_LOOPS in checkpoint:  # a full checkpoint (not weights-only) always has the list
             checkpoint[KEY_OPTIMIZER_STATES] = []
         return
-    states = _as_list(checkpoint[KEY_OPTIMIZER_STATES])
+    states = _dcp_list(checkpoint[KEY_OPTIMIZER_STATES])
     for state in states:
         if isinstance(state, dict) and "param_groups" in state:
             state.setdefault("state", {})
     checkpoint[KEY_OPTIMIZER_STATES] = states
 
 
-def _as_list(value: Any) -> list[Any]:
-    """DCP stores a list as a dict keyed by index; give back the list."""
+def _dcp_list(value: Any) -> list[Any]:
+    """The list DCP stored as a dict keyed by index (``{"0": ..., "1": ...}``), back as a list."""
     if isinstance(value, dict) and all(str(k).isdigit() for k in value):
         return [value[k] for k in sorted(value, key=lambda k: int(k))]
     return list(value)
@@ -500,17 +500,6 @@ def _distributed() -> bool:
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def _swap_in(new: str, final: str) -> None:
-    """Put the finished folder ``new`` at ``final``, replacing an older one with no gap a reader could see half of."""
-    if not os.path.exists(final):
-        os.replace(new, final)
-        return
-    old = f"{os.path.dirname(final)}/.{os.path.basename(final)}{TEMP_INFIX}old-{uuid.uuid4().hex[:8]}"
-    os.replace(final, old)
-    os.replace(new, final)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _fsspec_writer(url: str, storage_options: dict[str, Any]) -> Any:

@@ -23,7 +23,6 @@ import os
 import pickle
 import pickletools
 import re
-import uuid
 import zipfile
 from typing import Any, Optional
 
@@ -41,11 +40,12 @@ from trainer_core.checkpoint.format import (
 from trainer_core.errors import CheckpointError
 from trainer_core.paths import PathLike, is_local, resolve
 from trainer_core.plugins.io.checkpoint_io import (
-    TEMP_INFIX,
     CheckpointIO,
     commit_marker_path,
+    fsync_dir,
     lock_temporary,
     remove_abandoned_temporaries,
+    temporary_path,
     write_commit_marker,
 )
 
@@ -102,20 +102,6 @@ def _checkpoint_nbytes(checkpoint: Any) -> int:
     if isinstance(checkpoint, (list, tuple)):
         return sum(_checkpoint_nbytes(value) for value in checkpoint)
     return 0
-
-
-def _fsync_dir(path: str) -> None:
-    """Make a rename in folder ``path`` durable; some filesystems cannot open a folder, which is fine."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _refused_global(message: str) -> Optional[str]:
@@ -175,6 +161,13 @@ class TorchCheckpointIO(CheckpointIO):
     ) -> tuple[fsspec.AbstractFileSystem, str]:
         return resolve(path, **{**self.storage_options, **(storage_options or {})})
 
+    def folder_commit_files(self) -> tuple[str, ...]:
+        # Any plugin resumes from a sharded folder (load_checkpoint reads it whole), so one is a
+        # complete checkpoint here too. Imported only when a folder is met: it brings in DCP.
+        from trainer_core.plugins.io.distributed_io import SHARDED_COMMIT_FILES
+
+        return SHARDED_COMMIT_FILES
+
     # ---------------------------------------------------------------- save
 
     def save_checkpoint(
@@ -197,10 +190,10 @@ class TorchCheckpointIO(CheckpointIO):
 
     @staticmethod
     def _save_local(checkpoint: dict[str, Any], fs: fsspec.AbstractFileSystem, fs_path: str) -> None:
-        parent, name = os.path.split(fs_path)
+        parent = os.path.dirname(fs_path)
         fs.makedirs(parent, exist_ok=True)  # object stores have no folders, so only local disk needs this
         remove_abandoned_temporaries(parent)  # what an earlier writer, killed mid-save, left behind
-        temp = os.path.join(parent, f".{name}{TEMP_INFIX}{uuid.uuid4().hex[:12]}")
+        temp = temporary_path(fs_path)
         try:
             with fs.open(temp, "wb") as f:
                 lock_temporary(f.fileno())  # held until closed: a live writer's file is never cleaned up
@@ -214,7 +207,7 @@ class TorchCheckpointIO(CheckpointIO):
             with contextlib.suppress(OSError):
                 os.remove(temp)
             raise
-        _fsync_dir(parent)
+        fsync_dir(parent)
 
     @staticmethod
     def _save_object(checkpoint: dict[str, Any], fs: fsspec.AbstractFileSystem, fs_path: str) -> None:
