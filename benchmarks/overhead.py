@@ -230,7 +230,7 @@ def _run_plain(net: Any, loader: Any, job: Job, mode: Mode, out_dir: Path) -> tu
 
 
 def _trainer_kwargs(trainer_cls: type, job: Job, mode: Mode, out_dir: Path) -> dict[str, Any]:
-    """The same arguments for both trainers: those DESIGN.md lists for trainer-core, plus
+    """The same arguments for both trainers: those docs/architecture.md lists for trainer-core, plus
     ``enable_model_summary=False`` wherever the Trainer takes it (the summary is not the loop)."""
     kwargs: dict[str, Any] = {
         "accelerator": "cpu",

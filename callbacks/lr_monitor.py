@@ -113,7 +113,7 @@ class LearningRateMonitor(Callback):
         if stats:
             # The step Lightning uses: ``fit_loop.epoch_loop._batches_that_stepped``, the same step
             # the training metrics of the coming batch are logged at.
-            trainer._log_metrics(stats, step=trainer.batches_that_stepped)
+            trainer.metrics.log(stats, step=trainer.batches_that_stepped)
 
     # ------------------------------------------------------------------ values
     def _extract_stats(self, trainer: Trainer, interval: str) -> dict[str, float]:

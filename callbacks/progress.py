@@ -36,28 +36,33 @@ class _Bar(_tqdm):
         if self._metrics_fn is not None:
             items = self._metrics_fn()
             if items:
-                d["postfix"] = ", ".join(f"{k}={_fmt(v)}" for k, v in items.items())
+                d["postfix"] = ", ".join(f"{k}={ProgressBar.format_value(v)}" for k, v in items.items())
         return d
 
 
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    return str(value)
-
-
-def _total(n: Any) -> Optional[int]:
+def _bar_total(n: Any) -> Optional[int]:
+    """A bar's total: ``None`` (drawn without one) for an unknown or endless count."""
     return None if n is None or (isinstance(n, float) and math.isinf(n)) else int(n)
 
 
 class ProgressBar(Callback):
-    """What every progress bar shares: on or off, and the metrics it shows.
+    """What every progress bar shares: on or off, the totals and names of the stages, and the metrics.
 
-    The Trainer adds a ``TQDMProgressBar`` unless a ``ProgressBar`` is among the callbacks.
+    The Trainer adds a ``TQDMProgressBar`` unless a ``ProgressBar`` is among the callbacks. A bar
+    draws on global rank 0 only; ``setup`` turns it off on the other ranks.
     """
 
     def __init__(self) -> None:
         self._enabled = True
+        self._trainer: Optional[Trainer] = None
+
+    @property
+    def trainer(self) -> Trainer:
+        if self._trainer is None:
+            raise RuntimeError(
+                f"{type(self).__name__} is not attached to a `Trainer` yet (its setup has not run)."
+            )
+        return self._trainer
 
     @property
     def is_enabled(self) -> bool:
@@ -69,6 +74,45 @@ class ProgressBar(Callback):
     def enable(self) -> None:
         self._enabled = True
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._trainer = trainer
+        if not trainer.is_global_zero:
+            self.disable()
+
+    # ------------------------------------------------------------------ what the bars show
+    @property
+    def validation_description(self) -> str:
+        """The validation bar's name; the sanity check is a short validation with its own name."""
+        return "Sanity Checking" if self.trainer.sanity_checking else "Validation"
+
+    @property
+    def total_train_batches(self) -> Optional[int]:
+        """Batches in a training epoch; ``None`` when unknown (an iterable without a length)."""
+        return _bar_total(self.trainer.num_training_batches)
+
+    @property
+    def total_val_batches(self) -> Optional[int]:
+        """Batches of this validation over all its dataloaders (capped while sanity checking).
+
+        A dataloader without a length adds nothing; ``None`` when there are no dataloaders.
+        """
+        trainer = self.trainer
+        counts = trainer.num_val_batches
+        if not counts:
+            return None
+        steps = trainer.num_sanity_val_steps
+        if trainer.sanity_checking and steps >= 0:
+            counts = [min(n, steps) for n in counts]
+        return _bar_total(sum(n for n in counts if not math.isinf(n)))
+
+    @property
+    def total_test_batches(self) -> Optional[int]:
+        return _bar_total(sum(self.trainer.num_test_batches))
+
+    @property
+    def total_predict_batches(self) -> Optional[int]:
+        return _bar_total(sum(self.trainer.num_predict_batches))
+
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         """What the bar shows: the ``prog_bar`` metrics and the logger's version as ``v_num``."""
         metrics: dict[str, Any] = {}
@@ -78,6 +122,11 @@ class ProgressBar(Callback):
             metrics["v_num"] = version[-4:] if isinstance(version, str) else version
         metrics.update(trainer.progress_bar_metrics)
         return metrics
+
+    @staticmethod
+    def format_value(value: Any) -> str:
+        """A metric as the bars print it: floats to 3 significant digits."""
+        return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 class TQDMProgressBar(ProgressBar):
@@ -101,20 +150,19 @@ class TQDMProgressBar(ProgressBar):
         self.val_progress_bar: Optional[_Bar] = None
         self.test_progress_bar: Optional[_Bar] = None
         self.predict_progress_bar: Optional[_Bar] = None
-        self._trainer: Optional[Trainer] = None
 
     @property
     def is_enabled(self) -> bool:
         return self._enabled and self.refresh_rate > 0
 
     def _new_bar(
-        self, desc: str, total: Any, position_offset: int, leave: bool, with_metrics: bool = False
+        self, desc: str, total: Optional[int], position_offset: int, leave: bool, with_metrics: bool = False
     ) -> _Bar:
         trainer = self._trainer
         show = with_metrics and trainer is not None
         return _Bar(
             desc=desc,
-            total=_total(total),
+            total=total,
             position=2 * self.process_position + position_offset,
             leave=leave,
             dynamic_ncols=True,
@@ -123,23 +171,18 @@ class TQDMProgressBar(ProgressBar):
             metrics=(lambda: self.get_metrics(trainer, trainer.lightning_module)) if show else None,
         )
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._trainer = trainer
-        if not trainer.is_global_zero:
-            self.disable()
-
     # ------------------------------------------------------------------ training
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.is_enabled:
             return
         if self.train_progress_bar is None:
             self.train_progress_bar = self._new_bar(
-                "Training", trainer.num_training_batches, 0, True, with_metrics=True
+                "Training", self.total_train_batches, 0, True, with_metrics=True
             )
         else:
-            self.train_progress_bar.reset(total=_total(trainer.num_training_batches))
+            self.train_progress_bar.reset(total=self.total_train_batches)
         self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}", refresh=False)
-        self.train_progress_bar.initial = trainer._resume_batch_idx
+        self.train_progress_bar.initial = trainer.progress.resume.batch_idx
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -166,17 +209,10 @@ class TQDMProgressBar(ProgressBar):
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.is_enabled:
             return
-        total = (
-            sum(n for n in trainer.num_val_batches if not math.isinf(n)) if trainer.num_val_batches else None
-        )
-        if trainer.sanity_checking:
-            total = sum(
-                min(n, trainer.num_sanity_val_steps) if trainer.num_sanity_val_steps >= 0 else n
-                for n in trainer.num_val_batches
-            )
-        desc = "Sanity Checking" if trainer.sanity_checking else "Validation"
         has_main = self.train_progress_bar is not None
-        self.val_progress_bar = self._new_bar(desc, total, 1 if has_main else 0, not has_main)
+        self.val_progress_bar = self._new_bar(
+            self.validation_description, self.total_val_batches, 1 if has_main else 0, not has_main
+        )
 
     def on_validation_batch_end(
         self,
@@ -198,7 +234,7 @@ class TQDMProgressBar(ProgressBar):
 
     def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.is_enabled:
-            self.test_progress_bar = self._new_bar("Testing", sum(trainer.num_test_batches), 0, True)
+            self.test_progress_bar = self._new_bar("Testing", self.total_test_batches, 0, True)
 
     def on_test_batch_end(
         self,
@@ -216,7 +252,7 @@ class TQDMProgressBar(ProgressBar):
 
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.is_enabled:
-            self.predict_progress_bar = self._new_bar("Predicting", sum(trainer.num_predict_batches), 0, True)
+            self.predict_progress_bar = self._new_bar("Predicting", self.total_predict_batches, 0, True)
 
     def on_predict_batch_end(
         self,

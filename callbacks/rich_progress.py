@@ -9,7 +9,6 @@ on every step.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -32,10 +31,6 @@ def _import_rich() -> Any:
             "(or `pip install trainer-core[test]`), or use TQDMProgressBar, the default."
         ) from err
     return rich.progress
-
-
-def _total(n: Any) -> Optional[float]:
-    return None if n is None or (isinstance(n, float) and math.isinf(n)) else float(n)
 
 
 class RichProgressBar(ProgressBar):
@@ -64,7 +59,8 @@ class RichProgressBar(ProgressBar):
         self.val_progress_bar_id: Optional[int] = None
         self.test_progress_bar_id: Optional[int] = None
         self.predict_progress_bar_id: Optional[int] = None
-        self._trainer: Optional[Trainer] = None
+        # Batches done per evaluation task: its batch_idx restarts with each dataloader.
+        self._seen: dict[int, int] = {}
         self._last_redraw = 0.0
 
     @property
@@ -89,7 +85,7 @@ class RichProgressBar(ProgressBar):
                 if task.id != bar.train_progress_bar_id or bar._trainer is None:
                     return Text("")
                 metrics = bar.get_metrics(bar._trainer, bar._trainer.lightning_module)
-                return Text(" ".join(f"{k}: {_fmt(v)}" for k, v in metrics.items()))
+                return Text(" ".join(f"{k}: {bar.format_value(v)}" for k, v in metrics.items()))
 
         self._trainer = trainer
         self.progress = rp.Progress(
@@ -116,12 +112,18 @@ class RichProgressBar(ProgressBar):
             self.progress.update(task_id, completed=batch_idx + 1)
             self._redraw(force=last)
 
-    def _add_task(self, description: str, total: Any) -> int:
-        return self.progress.add_task(description, total=_total(total))
+    def _advance_eval(self, task_id: Optional[int]) -> None:
+        if task_id is not None:
+            self._seen[task_id] = seen = self._seen.get(task_id, 0) + 1
+            self._advance(task_id, seen - 1)
+
+    def _add_task(self, description: str, total: Optional[int]) -> int:
+        return self.progress.add_task(description, total=total)
 
     def _finish_task(self, task_id: Optional[int], keep: bool) -> None:
         if task_id is None or self.progress is None:
             return
+        self._seen.pop(task_id, None)
         task = next((t for t in self.progress.tasks if t.id == task_id), None)
         if task is not None and task.total is not None:
             self.progress.update(task_id, completed=task.total)
@@ -135,13 +137,9 @@ class RichProgressBar(ProgressBar):
             self.progress = None
         self.train_progress_bar_id = self.val_progress_bar_id = None
         self.test_progress_bar_id = self.predict_progress_bar_id = None
+        self._seen.clear()
 
     # ------------------------------------------------------------------ hooks
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._trainer = trainer
-        if not trainer.is_global_zero:
-            self.disable()
-
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.is_enabled:
             return
@@ -149,12 +147,10 @@ class RichProgressBar(ProgressBar):
         description = f"Epoch {trainer.current_epoch}"
         if self.train_progress_bar_id is not None and not self.leave:
             self.progress.reset(
-                self.train_progress_bar_id,
-                total=_total(trainer.num_training_batches),
-                description=description,
+                self.train_progress_bar_id, total=self.total_train_batches, description=description
             )
         else:
-            self.train_progress_bar_id = self._add_task(description, trainer.num_training_batches)
+            self.train_progress_bar_id = self._add_task(description, self.total_train_batches)
         self._redraw(force=True)
 
     def on_train_batch_end(
@@ -175,14 +171,7 @@ class RichProgressBar(ProgressBar):
         if not self.is_enabled:
             return
         self._start(trainer)
-        counts = trainer.num_val_batches
-        if trainer.sanity_checking:
-            steps = trainer.num_sanity_val_steps
-            counts = [n if steps == -1 else min(n, steps) for n in counts]
-        total = sum(n for n in counts if not math.isinf(n)) if counts else None
-        description = "Sanity Checking" if trainer.sanity_checking else "Validation"
-        self.val_progress_bar_id = self._add_task(description, total)
-        self._val_seen = 0
+        self.val_progress_bar_id = self._add_task(self.validation_description, self.total_val_batches)
         self._redraw(force=True)
 
     def on_validation_batch_end(
@@ -194,9 +183,7 @@ class RichProgressBar(ProgressBar):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if self.val_progress_bar_id is not None:
-            self._val_seen += 1
-            self._advance(self.val_progress_bar_id, self._val_seen - 1)
+        self._advance_eval(self.val_progress_bar_id)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._finish_task(self.val_progress_bar_id, keep=False)
@@ -207,8 +194,7 @@ class RichProgressBar(ProgressBar):
     def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.is_enabled:
             self._start(trainer)
-            self.test_progress_bar_id = self._add_task("Testing", sum(trainer.num_test_batches))
-            self._test_seen = 0
+            self.test_progress_bar_id = self._add_task("Testing", self.total_test_batches)
 
     def on_test_batch_end(
         self,
@@ -219,9 +205,7 @@ class RichProgressBar(ProgressBar):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if self.test_progress_bar_id is not None:
-            self._test_seen += 1
-            self._advance(self.test_progress_bar_id, self._test_seen - 1)
+        self._advance_eval(self.test_progress_bar_id)
 
     def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._finish_task(self.test_progress_bar_id, keep=True)
@@ -230,8 +214,7 @@ class RichProgressBar(ProgressBar):
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.is_enabled:
             self._start(trainer)
-            self.predict_progress_bar_id = self._add_task("Predicting", sum(trainer.num_predict_batches))
-            self._predict_seen = 0
+            self.predict_progress_bar_id = self._add_task("Predicting", self.total_predict_batches)
 
     def on_predict_batch_end(
         self,
@@ -242,9 +225,7 @@ class RichProgressBar(ProgressBar):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if self.predict_progress_bar_id is not None:
-            self._predict_seen += 1
-            self._advance(self.predict_progress_bar_id, self._predict_seen - 1)
+        self._advance_eval(self.predict_progress_bar_id)
 
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._finish_task(self.predict_progress_bar_id, keep=True)
@@ -255,9 +236,3 @@ class RichProgressBar(ProgressBar):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._stop()
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    return str(value)

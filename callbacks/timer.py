@@ -104,34 +104,36 @@ class Timer(Callback):
         return self._duration - self.time_elapsed(stage)
 
     # ------------------------------------------------------------------ hooks
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._start_time["train"] = time.monotonic()
-        self._end_time["train"] = None
-
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._end_time["train"] = time.monotonic()
-
-    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        stage = "sanity_check" if trainer.sanity_checking else "validate"
+    def _begin(self, stage: str) -> None:
         self._start_time[stage] = time.monotonic()
         self._end_time[stage] = None
 
+    def _finish(self, stage: str) -> None:
+        self._end_time[stage] = time.monotonic()
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._begin("train")
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._finish("train")
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._begin("sanity_check" if trainer.sanity_checking else "validate")
+
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._end_time["sanity_check" if trainer.sanity_checking else "validate"] = time.monotonic()
+        self._finish("sanity_check" if trainer.sanity_checking else "validate")
 
     def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._start_time["test"] = time.monotonic()
-        self._end_time["test"] = None
+        self._begin("test")
 
     def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._end_time["test"] = time.monotonic()
+        self._finish("test")
 
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._start_time["predict"] = time.monotonic()
-        self._end_time["predict"] = None
+        self._begin("predict")
 
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._end_time["predict"] = time.monotonic()
+        self._finish("predict")
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After a restore: a budget already spent stops the run before its first batch.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from trainer_core.plugins.base import TrainingTypePlugin
@@ -12,12 +13,7 @@ from trainer_core.plugins.environments import (
     SLURMEnvironment,
     TorchElasticEnvironment,
 )
-from trainer_core.plugins.io import (
-    AsyncCheckpointIO,
-    CheckpointIO,
-    DistributedCheckpointIO,
-    TorchCheckpointIO,
-)
+from trainer_core.plugins.io import AsyncCheckpointIO, CheckpointIO, TorchCheckpointIO, WrappingCheckpointIO
 from trainer_core.plugins.registry import available_plugins, plugin_from_name, register_plugin
 from trainer_core.plugins.single_device import SingleDevicePlugin
 
@@ -36,36 +32,26 @@ __all__ = [
     "TorchCheckpointIO",
     "TorchElasticEnvironment",
     "TrainingTypePlugin",
+    "WrappingCheckpointIO",
     "ZeroPlugin",
     "available_plugins",
     "plugin_from_name",
     "register_plugin",
 ]
 
-# Named in DESIGN.md's public API and built by later work; importing it says so clearly.
-_PLANNED: set[str] = set()
+# Imported on first use: fairscale is an optional extra, and FSDP, the pipeline and
+# torch.distributed.checkpoint cost most of a second to import, which every rank and CLI call would pay.
+_LAZY = {
+    "DDPShardedPlugin": "sharded",
+    "FSDPPlugin": "fsdp",
+    "ZeroPlugin": "zero",
+    "PipelinePlugin": "pipeline",
+    "DistributedCheckpointIO": "io",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # Imported on first use: DDPShardedPlugin needs fairscale, which is an optional extra.
-    if name == "DDPShardedPlugin":
-        from trainer_core.plugins.sharded import DDPShardedPlugin
-
-        return DDPShardedPlugin
-    if name == "FSDPPlugin":
-        from trainer_core.plugins.fsdp import FSDPPlugin
-
-        return FSDPPlugin
-    if name == "ZeroPlugin":
-        from trainer_core.plugins.zero import ZeroPlugin
-
-        return ZeroPlugin
-    if name == "PipelinePlugin":
-        from trainer_core.plugins.pipeline import PipelinePlugin
-
-        return PipelinePlugin
-    if name in _PLANNED:
-        raise ImportError(
-            f"trainer_core.plugins.{name} is not available in this version of trainer-core yet."
-        )
-    raise AttributeError(f"module 'trainer_core.plugins' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trainer_core.plugins' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"trainer_core.plugins.{module}"), name)

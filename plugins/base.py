@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
+import inspect
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
@@ -31,7 +33,12 @@ if TYPE_CHECKING:
 
 
 class TrainingTypePlugin:
-    """Base plugin: one process, no collectives; subclasses add processes and wrapping."""
+    """Base plugin: one process, no collectives; subclasses add processes and wrapping.
+
+    Every plugin takes the keyword arguments of its ``__init__``; a ``**kwargs`` there is passed on to
+    its base class's ``__init__``, and the names in ``_wrapper_arguments`` to the module wrapper the
+    plugin builds (``DistributedDataParallel``). Any other name is refused when the plugin is built.
+    """
 
     #: The registry name (``Trainer(plugins="...")``).
     name: str = "base"
@@ -43,6 +50,13 @@ class TrainingTypePlugin:
     #: Why this process cannot write a full checkpoint (one that resumes the run) right now, or ``None``.
     full_checkpoint_unavailable: Optional[str] = None
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> TrainingTypePlugin:
+        # Checked here, once for every plugin and before any ``__init__`` runs: a misspelt name fails
+        # where the user builds the plugin instead of being passed down to a wrapper that never reads it.
+        if kwargs:
+            _check_arguments(cls, kwargs)
+        return super().__new__(cls)
+
     def __init__(self, checkpoint_io: Optional[CheckpointIO] = None) -> None:
         self._checkpoint_io = checkpoint_io
         self._lightning_module: Optional[LightningModule] = None
@@ -52,7 +66,13 @@ class TrainingTypePlugin:
         #: Per-parameter optimizers stepped during backward (``Trainer(optimizer_in_backward=True)``).
         self.in_backward_optimizer: Optional[OptimizerInBackward] = None
         self.precision: Precision = Precision("32-true")
-        self._trainer: Optional[Trainer] = None
+        #: The Trainer this plugin runs for: set by the Trainer before it launches the processes.
+        self.trainer: Optional[Trainer] = None
+
+    @classmethod
+    def _wrapper_arguments(cls) -> tuple[str, list[str]]:
+        """The wrapper this plugin passes its extra keyword arguments to, and the names it takes; none here."""
+        return "", []
 
     # ------------------------------------------------------------------ ranks and device
     @property
@@ -135,7 +155,7 @@ class TrainingTypePlugin:
 
     def setup(self, trainer: Trainer) -> None:
         """Move and wrap the model, then create (and wrap) the optimizers."""
-        self._trainer = trainer
+        self.trainer = trainer
         module = self._lightning_module
         assert module is not None
         self.precision.convert_module(module)
@@ -153,7 +173,7 @@ class TrainingTypePlugin:
         self._lightning_module.to(self.root_device)
 
     def setup_optimizers(self, trainer: Trainer) -> None:
-        returned = trainer._call_module_hook("configure_optimizers")
+        returned = trainer.hook_runner.call_module("configure_optimizers")
         optimizers, configs = parse_optimizers(returned)
         if (
             not optimizers
@@ -240,15 +260,16 @@ class TrainingTypePlugin:
 
     def backward(self, loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         """``on_before_backward`` hooks, precision scaling, the module's ``backward``, ``on_after_backward``."""
-        trainer = self._trainer
+        trainer = self.trainer
         assert trainer is not None and self._lightning_module is not None
-        hooks = trainer._hooks
+        runner = trainer.hook_runner
+        hooks = runner.batch
         if hooks.on_before_backward:
-            trainer._run_hooks("on_before_backward", hooks.on_before_backward, loss)
+            runner.run("on_before_backward", hooks.on_before_backward, loss)
         scaled = self.precision.pre_backward(loss)
         self._lightning_module.backward(scaled, *args, **kwargs)
         if hooks.on_after_backward:
-            trainer._run_hooks("on_after_backward", hooks.on_after_backward)
+            runner.run("on_after_backward", hooks.on_after_backward)
         return loss
 
     def optimizer_step(
@@ -259,9 +280,9 @@ class TrainingTypePlugin:
         ``on_before_optimizer_step`` and gradient clipping run after the closure (when the
         gradients exist) and before the parameters change, as in Lightning.
         """
-        trainer = self._trainer
+        trainer = self.trainer
         assert trainer is not None
-        after = trainer._after_closure
+        after = trainer.hook_runner.after_closure
         if after is not None:
             inner = closure
 
@@ -288,11 +309,14 @@ class TrainingTypePlugin:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
 
-    def reduce(self, tensor: Union[Tensor, float], reduce_op: str = "mean") -> Union[Tensor, float]:
+    def reduce(
+        self, tensor: Union[Tensor, float], reduce_op: str = "mean", group: Optional[Any] = None
+    ) -> Union[Tensor, float]:
+        """Reduce ``tensor`` over the processes of ``group`` (all of them by default)."""
         return tensor
 
-    def all_gather(self, tensor: Tensor, sync_grads: bool = False) -> Tensor:
-        """Stack ``tensor`` from every process along a new first dimension."""
+    def all_gather(self, tensor: Tensor, sync_grads: bool = False, group: Optional[Any] = None) -> Tensor:
+        """Stack ``tensor`` from every process of ``group`` (all by default) along a new first dimension."""
         return tensor.unsqueeze(0)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -380,9 +404,52 @@ class TrainingTypePlugin:
             self.checkpoint_io.remove_checkpoint(filepath)
 
 
-def _accepts_to(fn: Callable[..., Any]) -> bool:
-    import inspect
+def _check_arguments(cls: type[TrainingTypePlugin], given: dict[str, Any]) -> None:
+    """Refuse the keyword arguments ``cls`` would not read, naming each, a close match, and the valid ones."""
+    own = _keyword_arguments(cls)
+    wrapper, forwarded = cls._wrapper_arguments()
+    forwarded = [name for name in forwarded if name not in own]
+    valid = own + forwarded
+    unknown = [name for name in given if name not in valid]
+    if not unknown:
+        return
 
+    def named(name: str) -> str:
+        guess = difflib.get_close_matches(name, valid, n=1)
+        return repr(name) + (f" (did you mean {guess[0]!r}?)" if guess else "")
+
+    call = f"{cls.__name__}({', '.join(f'{name}={given[name]!r}' for name in unknown)})"
+    what = f"unknown argument{'s' if len(unknown) > 1 else ''} {', '.join(named(name) for name in unknown)}"
+    listed = f"Valid arguments: {', '.join(own)}"
+    if forwarded:
+        listed += f"; passed on to {wrapper}: {', '.join(forwarded)}"
+    raise MisconfigurationException(f"{call}: {what}. {listed}.")
+
+
+def _keyword_arguments(cls: type) -> list[str]:
+    """The keyword arguments of ``cls.__init__`` and, through each ``**kwargs`` that passes them on, of its bases'."""
+    names: dict[str, None] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        names.update(dict.fromkeys(p.name for p in params if p.name != "self" and p.kind in _NAMED))
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            break
+    return list(names)
+
+
+def wrapper_keywords(fn: Callable[..., Any], set_by_plugin: tuple[str, ...]) -> list[str]:
+    """The keyword arguments of a wrapper's ``__init__`` that a user may set (the plugin sets ``set_by_plugin``)."""
+    params = inspect.signature(fn).parameters.values()
+    return [p.name for p in params if p.kind in _NAMED and p.name != "self" and p.name not in set_by_plugin]
+
+
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def _accepts_to(fn: Callable[..., Any]) -> bool:
     try:
         return "to" in inspect.signature(fn).parameters
     except (TypeError, ValueError):

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from trainer_core.errors import MisconfigurationException
-from trainer_core.plugins.base import TrainingTypePlugin
+from trainer_core.plugins.base import TrainingTypePlugin, wrapper_keywords
 from trainer_core.plugins.environments import ClusterEnvironment, detect_environment
 from trainer_core.plugins.launchers import ScriptLauncher, SpawnLauncher
 from trainer_core.utilities import rank_zero_warn
@@ -53,7 +53,12 @@ class _StepRouter(nn.Module):
 
 
 class DDPPlugin(TrainingTypePlugin):
-    """``DistributedDataParallel`` over ``devices`` processes per node."""
+    """``DistributedDataParallel`` over ``devices`` processes per node.
+
+    Keyword arguments other than the plugin's own go to ``DistributedDataParallel``
+    (``find_unused_parameters=True``, ``static_graph=True``, ``gradient_as_bucket_view=True``, ...);
+    names it does not take are refused here, when the plugin is built.
+    """
 
     name = "ddp"
     optimizer_in_backward_unsupported = (
@@ -86,6 +91,13 @@ class DDPPlugin(TrainingTypePlugin):
         self._num_devices = 1
         self._num_nodes = 1
         self._launcher: Any = None
+
+    @classmethod
+    def _wrapper_arguments(cls) -> tuple[str, list[str]]:
+        # The plugin gives DDP the module and its one device per process.
+        return "DistributedDataParallel", wrapper_keywords(
+            DistributedDataParallel.__init__, set_by_plugin=("module", "device_ids")
+        )
 
     # ------------------------------------------------------------------ processes
     def configure_devices(self, device_type: str, num_devices: int, num_nodes: int) -> None:
@@ -139,7 +151,7 @@ class DDPPlugin(TrainingTypePlugin):
                 self._launcher = ScriptLauncher(env, self._num_devices, self._num_nodes)
             return self._launcher.launch(function, *args, **kwargs)
         launcher = SpawnLauncher(env, self._num_devices, self.start_method)
-        return launcher.launch(function, *args, trainer=self._trainer, **kwargs)
+        return launcher.launch(function, *args, trainer=self.trainer, **kwargs)
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -180,7 +192,11 @@ class DDPPlugin(TrainingTypePlugin):
 
     def _running_stats_note(self) -> str:
         """What becomes of BatchNorm's running statistics across ranks under this plugin."""
-        if not self._ddp_kwargs.get("broadcast_buffers", True):
+        # Newer torch names it forward_sync_buffers (which wins); broadcast_buffers=None means True.
+        synced = self._ddp_kwargs.get("forward_sync_buffers")
+        if synced is None:
+            synced = self._ddp_kwargs.get("broadcast_buffers")
+        if synced is not None and not synced:
             return (
                 "with broadcast_buffers=False every rank keeps running statistics of its own samples, and the "
                 "checkpoint holds rank 0's"
@@ -260,7 +276,9 @@ class DDPPlugin(TrainingTypePlugin):
         dist.broadcast_object_list(holder, src=src)
         return holder[0]
 
-    def reduce(self, tensor: Union[Tensor, float], reduce_op: str = "mean") -> Union[Tensor, float]:
+    def reduce(
+        self, tensor: Union[Tensor, float], reduce_op: str = "mean", group: Optional[Any] = None
+    ) -> Union[Tensor, float]:
         if not dist.is_initialized() or self.world_size == 1:
             return tensor
         if reduce_op not in _REDUCE_OPS:
@@ -271,20 +289,23 @@ class DDPPlugin(TrainingTypePlugin):
             .clone()
             .to(self.root_device, dtype=torch.float32 if not value.is_floating_point() else value.dtype)
         )
-        dist.all_reduce(value, op=_REDUCE_OPS[reduce_op])
+        dist.all_reduce(value, op=_REDUCE_OPS[reduce_op], group=group)
         if reduce_op == "mean":
-            value = value / self.world_size
+            value = value / (self.world_size if group is None else dist.get_world_size(group))
         return value
 
-    def all_gather(self, tensor: Tensor, sync_grads: bool = False) -> Tensor:
+    def all_gather(self, tensor: Tensor, sync_grads: bool = False, group: Optional[Any] = None) -> Tensor:
         if not dist.is_initialized() or self.world_size == 1:
             return tensor.unsqueeze(0)
         if sync_grads:
             from torch.distributed.nn.functional import all_gather
 
-            return torch.stack(all_gather(tensor.contiguous()))
-        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(gathered, tensor.contiguous())
+            return torch.stack(
+                all_gather(tensor.contiguous(), group=dist.group.WORLD if group is None else group)
+            )
+        size = self.world_size if group is None else dist.get_world_size(group)
+        gathered = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(gathered, tensor.contiguous(), group=group)
         return torch.stack(gathered)
 
     def all_gather_object(self, obj: Any) -> list[Any]:

@@ -39,7 +39,8 @@ class FSDPPlugin(DDPPlugin):
     ``hybrid_shard=(replicas, shards)`` builds a 2-D mesh (HSDP): parameters are sharded within a
     group of ``shards`` ranks and replicated across ``replicas`` groups. A module may instead call
     ``fully_shard`` itself in ``configure_model`` (with ``self.trainer.strategy.device_mesh``);
-    the plugin then shards only the root.
+    the plugin then shards only the root. Other keyword arguments are ``DDPPlugin``'s own
+    (``start_method``, ``timeout``, ``checkpoint_io``, ...); nothing is passed to a wrapper.
     """
 
     name = "fsdp"
@@ -78,6 +79,11 @@ class FSDPPlugin(DDPPlugin):
 
             self._checkpoint_io = DistributedCheckpointIO()
 
+    @classmethod
+    def _wrapper_arguments(cls) -> tuple[str, list[str]]:
+        # fully_shard takes no free-form arguments: its options are this plugin's own.
+        return "", []
+
     # ------------------------------------------------------------------ mesh and sharding
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -102,7 +108,7 @@ class FSDPPlugin(DDPPlugin):
 
     def setup(self, trainer: Trainer) -> None:
         # FSDP2 turns parameters into DTensor shards, so the optimizers are built after sharding.
-        self._trainer = trainer
+        self.trainer = trainer
         module = self._lightning_module
         assert module is not None
         if trainer.training:
@@ -143,18 +149,11 @@ class FSDPPlugin(DDPPlugin):
             if is_overridden(name, module, LightningModule):
                 register_fsdp_forward_method(module, name)
 
-    def wrap_model(self, module: nn.Module) -> nn.Module:
-        return module
-
     def _running_stats_note(self) -> str:
         return (
             "FSDP does not synchronise buffers, so every rank keeps running statistics of its own samples, and "
             "the checkpoint holds rank 0's"
         )
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self._lightning_module is not None
-        return self._lightning_module.training_step(*args, **kwargs)
 
     @contextlib.contextmanager
     def _skip_gradient_sync(self) -> Iterator[None]:
@@ -193,9 +192,6 @@ class FSDPPlugin(DDPPlugin):
         options = StateDictOptions(full_state_dict=_is_full(state_dict), strict=strict)
         set_model_state_dict(self._lightning_module, state_dict, options=options)
 
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return self.named_optimizer_state(optimizer)
-
     def named_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Keyed by parameter name already (torch's fully-qualified names of the module)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -230,7 +226,7 @@ class FSDPPlugin(DDPPlugin):
         template: dict[str, Any] = {
             "state_dict": get_model_state_dict(self._lightning_module, options=options)
         }
-        io = getattr(self.checkpoint_io, "checkpoint_io", self.checkpoint_io)  # through AsyncCheckpointIO
+        io = self.checkpoint_io.unwrapped
         if not isinstance(io, DistributedCheckpointIO):
             io = DistributedCheckpointIO()
         if self.optimizers:
@@ -253,7 +249,7 @@ class FSDPPlugin(DDPPlugin):
         else:
             from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
 
-            io = getattr(self.checkpoint_io, "checkpoint_io", self.checkpoint_io)  # through AsyncCheckpointIO
+            io = self.checkpoint_io.unwrapped
             if not isinstance(io, DistributedCheckpointIO):
                 raise MisconfigurationException(
                     f"FSDPPlugin(state_dict_type='sharded') writes with DistributedCheckpointIO, but the run was given "
@@ -261,10 +257,6 @@ class FSDPPlugin(DDPPlugin):
                 )
             # Every rank writes its own shards.
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    def remove_checkpoint(self, filepath: str) -> None:
-        if self.is_global_zero:
-            self.checkpoint_io.remove_checkpoint(filepath)
 
 
 def _is_full(state: dict[str, Any]) -> bool:

@@ -99,10 +99,6 @@ class ScriptLauncher:
         self.children: list[subprocess.Popen] = []
         self._watcher: Optional[_ChildWatcher] = None
 
-    @property
-    def is_interactive_compatible(self) -> bool:
-        return False
-
     def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not self.environment.creates_processes_externally and not self.children:
             self._start_children()
@@ -160,17 +156,13 @@ class SpawnLauncher:
         self.num_processes = num_processes
         self.start_method = start_method
 
-    @property
-    def is_interactive_compatible(self) -> bool:
-        return self.start_method == "fork"
-
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if trainer is not None:
             trainer.plugin.full_checkpoint_unavailable = None
         os.environ["MASTER_ADDR"] = self.environment.main_address
         os.environ["MASTER_PORT"] = str(self.environment.main_port)
         with tempfile.TemporaryDirectory(prefix="trainer-core-spawn-") as folder:
-            from trainer_core.checkpointing import collect_rng_states
+            from trainer_core.checkpoint.rng import collect_rng_states
 
             # Every rank starts from this process's random state (seeded by seed_everything), as
             # forked ranks would: a spawned interpreter would otherwise start from torch's default.
@@ -209,7 +201,7 @@ def _spawned_rank(
     folder: str,
     rng_states: dict[str, Any],
 ) -> None:
-    from trainer_core.checkpointing import apply_rng_states
+    from trainer_core.checkpoint.rng import apply_rng_states
 
     os.environ["LOCAL_RANK"] = str(local_rank)
     os.environ["WORLD_SIZE"] = str(num_processes)
@@ -232,7 +224,7 @@ def _spawned_rank(
             k: v.cpu() if hasattr(v, "cpu") else v for k, v in trainer.callback_metrics.items()
         }
         outcome["global_step"] = trainer.global_step
-        outcome["preempted"] = bool(getattr(trainer, "_preempted", False))
+        outcome["preempted"] = trainer.preempted
         outcome["current_epoch"] = trainer.current_epoch
         outcome["callbacks"] = [cb.state_dict() for cb in trainer.callbacks]
     torch.save(outcome, os.path.join(folder, _OUTCOME_FILE))
@@ -241,13 +233,14 @@ def _spawned_rank(
 def _adopt_rank_zero_state(trainer: Any, outcome: dict[str, Any]) -> None:
     """Put rank 0's trained weights and counters into the caller's trainer and module."""
     # The ranks saved and stopped on a pre-emption signal: the caller's fit ends the job the same way.
-    trainer._preempted = outcome.get("preempted", False)
+    trainer.preempted = outcome.get("preempted", False)
     if outcome.get("weights") is None or trainer.lightning_module is None:
         return
     trainer.lightning_module.load_state_dict(outcome["weights"])
-    trainer._callback_metrics.update(outcome.get("callback_metrics", {}))
-    trainer.global_step = outcome.get("global_step", trainer.global_step)
-    trainer.current_epoch = outcome.get("current_epoch", trainer.current_epoch)
+    trainer.callback_metrics.update(outcome.get("callback_metrics", {}))
+    progress = trainer.progress
+    progress.global_step = outcome.get("global_step", progress.global_step)
+    progress.current_epoch = outcome.get("current_epoch", progress.current_epoch)
     for cb, cb_state in zip(trainer.callbacks, outcome.get("callbacks", [])):
         if cb_state:
             cb.load_state_dict(cb_state)

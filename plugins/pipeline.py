@@ -79,6 +79,8 @@ class PipelinePlugin(DDPPlugin):
         schedule: ``"GPipe"``, ``"1F1B"`` (one stage per rank) or ``"Interleaved1F1B"`` (several).
         n_microbatches: micro-batches each batch is cut into (default: the number of stages).
         data_parallel_size: replicas of the whole pipeline; their gradients are averaged.
+        kwargs: ``DDPPlugin``'s own (``start_method``, ``timeout``, ``checkpoint_io``, ...); nothing is
+            passed to a wrapper.
     """
 
     name = "pipeline"
@@ -128,6 +130,11 @@ class PipelinePlugin(DDPPlugin):
         self._loss_scale = 1.0
         self._accumulate = 1
         self._batch_sizes: dict[bool, int] = {}
+
+    @classmethod
+    def _wrapper_arguments(cls) -> tuple[str, list[str]]:
+        # The stages run in torch's pipeline schedule, not inside DistributedDataParallel.
+        return "", []
 
     # ------------------------------------------------------------------ layout
     @property
@@ -201,7 +208,7 @@ class PipelinePlugin(DDPPlugin):
         super().connect(module)
 
     def setup(self, trainer: Trainer) -> None:
-        self._trainer = trainer
+        self.trainer = trainer
         module = self._lightning_module
         assert module is not None
         _check_pipelined_module(module)
@@ -317,12 +324,9 @@ class PipelinePlugin(DDPPlugin):
                 "`self.automatic_optimization = False`."
             )
         per_part = []
-        previous, trainer._current_fx = trainer._current_fx, "configure_optimizers"
-        try:
+        with trainer.hook_runner.running("configure_optimizers"):
             for part in self._parts:
                 per_part.append(parse_optimizers(part.configure_optimizers()))
-        finally:
-            trainer._current_fx = previous
         counts = {len(optimizers) for optimizers, _ in per_part}
         if counts != {1}:
             raise MisconfigurationException(
@@ -338,12 +342,6 @@ class PipelinePlugin(DDPPlugin):
             )
         self.optimizers = [container]
         self.lr_scheduler_configs = configs
-
-    def model_to_device(self) -> None:
-        """The parts move in ``setup``; the layers of other ranks stay on the meta device."""
-
-    def wrap_model(self, module: nn.Module) -> nn.Module:
-        return module
 
     def teardown(self) -> None:
         self._schedule = None
@@ -498,8 +496,7 @@ class PipelinePlugin(DDPPlugin):
         """Whether checkpoints are folders every rank writes its own parts into (``DistributedCheckpointIO``)."""
         from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
 
-        io = getattr(self.checkpoint_io, "checkpoint_io", self.checkpoint_io)  # through AsyncCheckpointIO
-        return isinstance(io, DistributedCheckpointIO)
+        return isinstance(self.checkpoint_io.unwrapped, DistributedCheckpointIO)
 
     def _is_held(self, name: str) -> bool:
         return any(
@@ -558,9 +555,6 @@ class PipelinePlugin(DDPPlugin):
 
         assert self._lightning_module is not None
         return parameter_names(self._lightning_module)
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return self.named_optimizer_state(optimizer)
 
     def named_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Every part's state keyed by parameter name, gathered to global rank 0, groups merged.
@@ -650,7 +644,7 @@ class PipelinePlugin(DDPPlugin):
             # The groups' layout (DCP stores each entry under its own key); the values come from the file.
             groups = self.named_optimizer_state(self.optimizers[0]).get("param_groups", [])
             template["optimizer_states"] = [{"state": state, "param_groups": groups}]
-        io = getattr(self.checkpoint_io, "checkpoint_io", self.checkpoint_io)
+        io = self.checkpoint_io.unwrapped
         if not isinstance(io, DistributedCheckpointIO):
             io = DistributedCheckpointIO()
         checkpoint = io.load_into(filepath, template)
@@ -1116,7 +1110,7 @@ def _example_microbatch(
     The training loader is read once before the run, with every random generator put back
     afterwards, so the run draws the same batches as it would have.
     """
-    from trainer_core.checkpointing import apply_rng_states, collect_rng_states
+    from trainer_core.checkpoint.rng import apply_rng_states, collect_rng_states
 
     if trainer.training:
         loader = _training_loader(trainer, module)
@@ -1146,7 +1140,8 @@ def _training_loader(trainer: Trainer, module: LightningModule) -> Any:
     from trainer_core.datamodule import LightningDataModule
     from trainer_core.module import LightningModule as BaseModule
 
-    source = getattr(trainer, "_train_source", None)
+    # Read during fit only (``trainer.training``), when ``trainer.fit_loop`` holds this fit's sources.
+    source = trainer.fit_loop.train_source
     if source is None:
         datamodule = trainer.datamodule
         if datamodule is not None and is_overridden("train_dataloader", datamodule, LightningDataModule):

@@ -24,6 +24,7 @@ def available_plugins() -> list[str]:
 
 
 def plugin_from_name(name: str, **kwargs: Any) -> TrainingTypePlugin:
+    """The plugin ``name`` stands for, built with its defaults overridden by ``kwargs`` (checked by the plugin)."""
     if name not in _REGISTRY:
         raise MisconfigurationException(
             f"Trainer(plugins={name!r}): no plugin has that name. Known names: {', '.join(available_plugins())}."

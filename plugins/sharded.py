@@ -14,18 +14,32 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainer_core.imports import require_fairscale
-from trainer_core.plugins.base import optimizer_defaults
+from trainer_core.plugins.base import optimizer_defaults, wrapper_keywords
 from trainer_core.plugins.ddp import DDPPlugin, _StepRouter
 
 
 class DDPShardedPlugin(DDPPlugin):
-    """DDP with fairscale ``OSS`` around the user's optimizers and ``ShardedDataParallel`` around the model."""
+    """DDP with fairscale ``OSS`` around the user's optimizers and ``ShardedDataParallel`` around the model.
+
+    Keyword arguments other than ``DDPPlugin``'s own go to ``ShardedDataParallel``
+    (``reduce_buffer_size``, ``broadcast_buffers``, ...).
+    """
 
     name = "ddp_sharded"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         require_fairscale("DDPShardedPlugin")
         super().__init__(*args, **kwargs)
+
+    @classmethod
+    def _wrapper_arguments(cls) -> tuple[str, list[str]]:
+        require_fairscale("DDPShardedPlugin")
+        from fairscale.nn.data_parallel import ShardedDataParallel
+
+        # The plugin gives it the module and the OSS optimizers it builds.
+        return "ShardedDataParallel", wrapper_keywords(
+            ShardedDataParallel.__init__, set_by_plugin=("module", "sharded_optimizer")
+        )
 
     def wrap_optimizer(self, optimizer: Optimizer) -> Optimizer:
         from fairscale.optim import OSS

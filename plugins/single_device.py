@@ -29,6 +29,7 @@ class SingleDevicePlugin(TrainingTypePlugin):
     def root_device(self) -> torch.device:
         return self._device
 
-    def set_device(self, device: Union[str, torch.device]) -> None:
-        """Chosen by the Trainer from ``accelerator``/``devices`` when the user passed a name."""
-        self._device = torch.device(device)
+    def set_default_device(self, device: Union[str, torch.device]) -> None:
+        """The device the Trainer picks from ``accelerator``/``devices``; a device the user named is kept."""
+        if not self._device_given:
+            self._device = torch.device(device)

@@ -12,7 +12,10 @@ from trainer_core.plugins.ddp import DDPPlugin
 
 
 class ZeroPlugin(DDPPlugin):
-    """Every rank keeps the optimizer state of its share of the parameters; DDP reduces gradients."""
+    """Every rank keeps the optimizer state of its share of the parameters; DDP reduces gradients.
+
+    Other keyword arguments are ``DDPPlugin``'s, with those it passes on to ``DistributedDataParallel``.
+    """
 
     name = "zero"
 

@@ -27,8 +27,6 @@ from trainer_core import paths
 from trainer_core.datamodule import LightningDataModule
 from trainer_core.loggers import Logger
 from trainer_core.module import LightningModule
-from trainer_core.plugins import TrainingTypePlugin
-from trainer_core.plugins.io import CheckpointIO
 from trainer_core.seed import seed_everything
 from trainer_core.trainer import Trainer
 from trainer_core.utilities import rank_zero_only
@@ -44,18 +42,26 @@ CONFIG_FILE = "config.yaml"
 _INSTALL_HINT = "pip install 'trainer-core[cli]'"
 
 
-_Plugin = Union[str, TrainingTypePlugin, CheckpointIO]
-_TYPED_TRAINER_ARGUMENTS: dict[str, tuple[Any, str]] = {
-    "logger": (
-        Optional[Union[bool, Logger, list[Logger]]],
-        "true (TensorBoard if installed, else CSV), false, or loggers by class_path",
-    ),
-    "plugins": (
-        Optional[Union[_Plugin, list[_Plugin]]],
-        "a registered plugin name ('ddp', 'fsdp', ...), or plugins and checkpoint IO by class_path",
-    ),
-    "strategy": (Optional[Union[str, TrainingTypePlugin]], "another spelling of one training-type plugin"),
-}
+def _typed_trainer_arguments() -> dict[str, tuple[Any, str]]:
+    """Trainer arguments whose type the parser cannot read from the signature (``Any``), typed here."""
+    from trainer_core.plugins import TrainingTypePlugin
+    from trainer_core.plugins.io import CheckpointIO
+
+    plugin = Union[str, TrainingTypePlugin, CheckpointIO]
+    return {
+        "logger": (
+            Optional[Union[bool, Logger, list[Logger]]],
+            "true (TensorBoard if installed, else CSV), false, or loggers by class_path",
+        ),
+        "plugins": (
+            Optional[Union[plugin, list[plugin]]],
+            "a registered plugin name ('ddp', 'fsdp', ...), or plugins and checkpoint IO by class_path",
+        ),
+        "strategy": (
+            Optional[Union[str, TrainingTypePlugin]],
+            "another spelling of one training-type plugin",
+        ),
+    }
 
 
 def build_parser() -> Any:
@@ -71,6 +77,7 @@ def _build_parsers() -> tuple[Any, dict[str, Any]]:
         raise ModuleNotFoundError(f"`{PROG}` needs jsonargparse, an optional extra: {_INSTALL_HINT}") from err
 
     parser = ArgumentParser(prog=PROG, description="Run trainer-core from a YAML configuration.")
+    typed = _typed_trainer_arguments()
     subcommands = parser.add_subcommands(required=True, dest="subcommand")
     sub_parsers = {}
     for name, help_text in SUBCOMMANDS.items():
@@ -86,8 +93,8 @@ def _build_parsers() -> tuple[Any, dict[str, Any]]:
         )
         # Trainer takes these as ``Any``; typed here, a config can name only loggers and plugins
         # in them, and jsonargparse checks the classes before anything runs.
-        sub.add_class_arguments(Trainer, "trainer", instantiate=False, skip=set(_TYPED_TRAINER_ARGUMENTS))
-        for argument, (type_, argument_help) in _TYPED_TRAINER_ARGUMENTS.items():
+        sub.add_class_arguments(Trainer, "trainer", instantiate=False, skip=set(typed))
+        for argument, (type_, argument_help) in typed.items():
             sub.add_argument(f"--trainer.{argument}", type=type_, default=None, help=argument_help)
         sub.add_subclass_arguments(LightningModule, "model", required=True)
         sub.add_subclass_arguments(LightningDataModule, "data", required=False)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 import torch
+from lightning_utilities.core.overrides import is_overridden
 
 from trainer_core.callbacks.base import Callback
 from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
@@ -14,6 +15,7 @@ from trainer_core.errors import MisconfigurationException
 from trainer_core.loggers import CSVLogger, TensorBoardLogger, tensorboard_available
 from trainer_core.plugins import TrainingTypePlugin, plugin_from_name
 from trainer_core.plugins.io import CheckpointIO
+from trainer_core.utilities import as_list
 
 _ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 
@@ -83,7 +85,7 @@ def _device_count(devices: Any) -> int:
 
 def select_plugin(accelerator: str, strategy: Any, devices: Any, num_nodes: int, plugins: Any) -> Any:
     """The one training-type plugin of the run, from ``plugins=``/``strategy=`` or the device count."""
-    given = [p for p in _as_list(plugins) if p is not None]
+    given = [p for p in as_list(plugins) if p is not None]
     checkpoint_io = [p for p in given if isinstance(p, CheckpointIO)]
     given = [p for p in given if not isinstance(p, CheckpointIO)]
     if strategy is not None and strategy != "auto":
@@ -121,8 +123,8 @@ def select_plugin(accelerator: str, strategy: Any, devices: Any, num_nodes: int,
                 f"Trainer(devices={devices!r}, num_nodes={num_nodes}) asks for several processes but the plugin is "
                 "'single_device'; pass a distributed plugin such as plugins='ddp'."
             )
-        if hasattr(plugin, "set_device") and not getattr(plugin, "_device_given", False):
-            plugin.set_device(device)
+        if hasattr(plugin, "set_default_device"):
+            plugin.set_default_device(device)
     if checkpoint_io:
         plugin.checkpoint_io = checkpoint_io[-1]
     plugin.configure_devices(device.type, n_devices, num_nodes)
@@ -133,19 +135,11 @@ def _name(plugin: Any) -> str:
     return plugin if isinstance(plugin, str) else type(plugin).__name__
 
 
-def _as_list(obj: Any) -> list[Any]:
-    if obj is None:
-        return []
-    if isinstance(obj, (list, tuple)):
-        return list(obj)
-    return [obj]
-
-
 def configure_callbacks(
     callbacks: Any, enable_checkpointing: bool, enable_progress_bar: bool
 ) -> list[Callback]:
     """The user's callbacks plus the defaults, with checkpointing callbacks last (Lightning's order)."""
-    result = _as_list(callbacks)
+    result = as_list(callbacks)
     for cb in result:
         if not isinstance(cb, Callback):
             raise MisconfigurationException(
@@ -172,15 +166,13 @@ def merge_module_callbacks(
     current: list[Callback], extra: Union[Callback, Sequence[Callback]]
 ) -> list[Callback]:
     """``configure_callbacks`` results replace the Trainer's callbacks of the same type."""
-    extra_list = _as_list(extra)
+    extra_list = as_list(extra)
     types = {type(cb) for cb in extra_list}
     kept = [cb for cb in current if type(cb) not in types]
     return _reorder(kept + extra_list)
 
 
 def _reorder(callbacks: list[Callback]) -> list[Callback]:
-    from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
-
     others = [cb for cb in callbacks if not isinstance(cb, ModelCheckpoint)]
     checkpoints = [cb for cb in callbacks if isinstance(cb, ModelCheckpoint)]
     return others + checkpoints
@@ -194,4 +186,22 @@ def configure_loggers(logger: Any, default_root_dir: str) -> list[Any]:
         if tensorboard_available():
             return [TensorBoardLogger(save_dir=default_root_dir)]
         return [CSVLogger(save_dir=default_root_dir)]
-    return _as_list(logger)
+    return as_list(logger)
+
+
+# The Trainer's questions about its callbacks, answered here so that the core imports the
+# callbacks package in this one module.
+def callback_overrides(callback: Callback, name: str) -> bool:
+    """Whether ``callback`` does something in hook ``name`` (the base class's hooks do nothing)."""
+    return is_overridden(name, callback, Callback)
+
+
+def checkpoint_callbacks(callbacks: list[Callback]) -> list[ModelCheckpoint]:
+    return [cb for cb in callbacks if isinstance(cb, ModelCheckpoint)]
+
+
+def progress_bar_callback(callbacks: list[Callback]) -> Optional[ProgressBar]:
+    for cb in callbacks:
+        if isinstance(cb, ProgressBar):
+            return cb
+    return None

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Optional
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from trainer_core.utilities import AttributeDict
 
@@ -50,14 +51,9 @@ class LightningDataModule:
     def hparams(self) -> AttributeDict:
         return self._hparams
 
-    def save_hyperparameters(self, *args: Any, ignore: Optional[Any] = None) -> None:
-        """Store the calling ``__init__``'s arguments in ``self.hparams``."""
-        from trainer_core.module import _collect_init_args
+    def save_hyperparameters(self, *args: Any, ignore: Optional[Union[Sequence[str], str]] = None) -> None:
+        """Store the calling ``__init__``'s arguments in ``self.hparams``, as ``LightningModule`` does."""
+        from trainer_core.module import select_hyperparameters
 
         frame = inspect.currentframe().f_back  # type: ignore[union-attr]
-        values = _collect_init_args(frame, owner_type=object)
-        if args:
-            values = {k: values[k] for k in args if k in values}
-        for name in [ignore] if isinstance(ignore, str) else list(ignore or []):
-            values.pop(name, None)
-        self._hparams = AttributeDict(values)
+        self._hparams = AttributeDict(select_hyperparameters(self, args, ignore, frame, LightningDataModule))

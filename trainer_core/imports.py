@@ -7,7 +7,6 @@ from types import ModuleType
 from lightning_utilities.core.imports import RequirementCache
 
 FAIRSCALE_AVAILABLE = RequirementCache("fairscale==0.4.13")
-TORCHDATA_AVAILABLE = RequirementCache("torchdata")
 
 
 def require_fairscale(feature: str) -> ModuleType:

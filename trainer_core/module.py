@@ -8,6 +8,7 @@ the user (or a subclass of ours) overrides it, unless the default does real work
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
@@ -117,29 +118,9 @@ class LightningModule(nn.Module):
         ``argparse.Namespace``, that object's items.
         """
         self._log_hyperparams = logger
-        if len(args) == 1 and not isinstance(args[0], str):
-            source = args[0]
-            hparams = (
-                dict(vars(source))
-                if hasattr(source, "__dict__") and not isinstance(source, Mapping)
-                else dict(source)
-            )
-        else:
-            if frame is None:
-                frame = inspect.currentframe().f_back  # type: ignore[union-attr]
-            init_args = _collect_init_args(frame)
-            if args:
-                missing = [name for name in args if name not in init_args]
-                if missing:
-                    raise ValueError(
-                        f"save_hyperparameters: {missing} are not arguments of {type(self).__name__}.__init__."
-                    )
-                hparams = {name: init_args[name] for name in args}
-            else:
-                hparams = init_args
-        ignored = [ignore] if isinstance(ignore, str) else list(ignore or [])
-        for name in ignored:
-            hparams.pop(name, None)
+        if frame is None:
+            frame = inspect.currentframe().f_back  # type: ignore[union-attr]
+        hparams = select_hyperparameters(self, args, ignore, frame, nn.Module)
         self._hparams = AttributeDict(hparams)
         self._hparams_initial = AttributeDict(hparams)
 
@@ -165,16 +146,27 @@ class LightningModule(nn.Module):
 
         Defaults follow Lightning: in ``training_step`` and the train batch hooks a value is
         logged per step; everywhere else it is reduced over the epoch with ``reduce_fx``.
+        ``sync_dist=True`` reduces it across processes, over ``sync_dist_group`` when given (a
+        ``torch.distributed`` group). With several evaluation dataloaders ``/dataloader_idx_N`` is
+        appended to ``name`` unless ``add_dataloader_idx=False``; then each dataloader needs a name
+        of its own. ``rank_zero_only=True`` (logged on rank 0 alone) is never reduced.
         """
+        if metric_attribute is not None:
+            raise MisconfigurationException(
+                f"self.log({name!r}, ..., metric_attribute={metric_attribute!r}): metric_attribute names the "
+                "torchmetrics.Metric to re-find when a Metric object is logged, and only numbers and scalar tensors "
+                "are logged here. Log the metric's value (e.g. `self.log(name, metric.compute())` in the epoch-end "
+                "hook, then `metric.reset()`) and drop metric_attribute."
+            )
         trainer = self._trainer
         if trainer is None:
             return
-        fx = trainer._current_fx
+        fx = trainer.hook_runner.current_fx
         if fx is None:
             raise MisconfigurationException(
                 f"self.log({name!r}, ...) was called outside a hook the Trainer runs; log from a step or an on_* hook."
             )
-        results = trainer._results
+        results = trainer.metrics.results
         if results is None:
             return
         # Positional on purpose: this runs on every step that logs.
@@ -189,6 +181,8 @@ class LightningModule(nn.Module):
             reduce_fx,
             enable_graph,
             sync_dist,
+            sync_dist_group,
+            add_dataloader_idx,
             batch_size,
             rank_zero_only,
         )
@@ -208,7 +202,7 @@ class LightningModule(nn.Module):
         batch_size: Optional[int] = None,
         rank_zero_only: bool = False,
     ) -> None:
-        """``self.log`` for every item of ``dictionary``."""
+        """``self.log`` for every item of ``dictionary``, with the same options."""
         for name, value in dictionary.items():
             self.log(
                 name,
@@ -220,18 +214,23 @@ class LightningModule(nn.Module):
                 reduce_fx=reduce_fx,
                 enable_graph=enable_graph,
                 sync_dist=sync_dist,
+                sync_dist_group=sync_dist_group,
+                add_dataloader_idx=add_dataloader_idx,
                 batch_size=batch_size,
                 rank_zero_only=rank_zero_only,
             )
 
     def all_gather(self, data: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
-        """Every tensor in ``data`` gathered from all processes, stacked along a new first dimension."""
+        """Every tensor in ``data`` gathered from all processes (those of ``group`` if given), stacked on a new dim 0."""
         from lightning_utilities.core.apply_func import apply_to_collection
 
         plugin = self.trainer.plugin
 
         def gather(t: Tensor) -> Tensor:
-            return plugin.all_gather(t, sync_grads=sync_grads)
+            # The group goes down only when given, as for self.log(sync_dist_group=...).
+            if group is None:
+                return plugin.all_gather(t, sync_grads=sync_grads)
+            return plugin.all_gather(t, sync_grads=sync_grads, group=group)
 
         return apply_to_collection(data, Tensor, gather)
 
@@ -280,7 +279,7 @@ class LightningModule(nn.Module):
     ) -> Union[LightningOptimizer, list[LightningOptimizer], Optimizer, list[Optimizer]]:
         """The optimizers of this run: one, or a list when there are several."""
         trainer = self.trainer
-        opts: list[Any] = trainer._lightning_optimizers if use_pl_optimizer else trainer.optimizers
+        opts: list[Any] = trainer.lightning_optimizers if use_pl_optimizer else trainer.optimizers
         return opts[0] if len(opts) == 1 else list(opts)
 
     def lr_schedulers(self) -> Any:
@@ -416,9 +415,15 @@ class LightningModule(nn.Module):
         strict: Optional[bool] = None,
         **kwargs: Any,
     ) -> LightningModule:
-        """Build the module from the checkpoint's hyper-parameters (``kwargs`` override them) and load its weights."""
-        from trainer_core.checkpointing import load_module_from_checkpoint
+        """Build the module from the checkpoint's hyper-parameters and load its weights.
 
+        ``hparams_file`` (``.yaml``/``.yml``, or Lightning's ``.csv`` of ``key,value`` rows) replaces
+        the checkpoint's value of every hyper-parameter it names; ``kwargs`` override both.
+        """
+        from trainer_core.checkpoint.restore import load_module_from_checkpoint
+
+        if hparams_file is not None:
+            kwargs = {**_load_hparams_file(hparams_file), **kwargs}
         return load_module_from_checkpoint(
             cls, checkpoint_path, map_location=map_location, strict=strict, **kwargs
         )
@@ -490,6 +495,106 @@ class LightningModule(nn.Module):
         for param in self.parameters():
             param.requires_grad = True
         self.train()
+
+
+def _load_hparams_file(hparams_file: Any) -> dict[str, Any]:
+    """The hyper-parameters in ``load_from_checkpoint(hparams_file=...)``: a YAML mapping or a ``.csv``."""
+    import csv
+    import io
+
+    from trainer_core import paths
+
+    path = os.fspath(hparams_file)
+    extension = path.rsplit(".", 1)[-1].lower()
+    if extension not in ("yaml", "yml", "csv"):
+        raise MisconfigurationException(
+            f"load_from_checkpoint(hparams_file={path!r}): use a .yaml, .yml or .csv file of hyper-parameters."
+        )
+    fs, fs_path = paths.resolve(path)
+    if not fs.exists(fs_path):
+        raise FileNotFoundError(f"load_from_checkpoint(hparams_file={path!r}): there is no such file.")
+    with fs.open(fs_path, "r") as f:
+        text = f.read()
+    if extension == "csv":
+        # Lightning's layout: a "key,value" header, then one row per hyper-parameter.
+        hparams: Any = {row[0]: _literal(row[1]) for row in list(csv.reader(io.StringIO(text)))[1:] if row}
+    else:
+        hparams = _parse_yaml(text, path)
+    if not isinstance(hparams, dict):
+        raise MisconfigurationException(
+            f"load_from_checkpoint(hparams_file={path!r}) holds a {type(hparams).__name__}; it must map "
+            "hyper-parameter names to values."
+        )
+    return hparams
+
+
+def _parse_yaml(text: str, path: str) -> Any:
+    try:
+        import yaml
+    except ImportError:
+        # CSVLogger and TensorBoardLogger write hparams.yaml as JSON (valid YAML): those need no YAML library.
+        import json
+
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise MisconfigurationException(
+                f"load_from_checkpoint(hparams_file={path!r}) needs PyYAML to read YAML: `pip install pyyaml`, "
+                "or pass the hyper-parameters to load_from_checkpoint as keywords."
+            ) from None
+    try:
+        # safe_load: a hyper-parameter file must not be able to build arbitrary Python objects.
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise MisconfigurationException(
+            f"load_from_checkpoint(hparams_file={path!r}) is not YAML that safe_load reads: {err}"
+        ) from err
+
+
+def _literal(text: str) -> Any:
+    """A ``.csv`` cell as the Python value it spells (``0.1``, ``True``, ``[1, 2]``), else the text itself."""
+    import ast
+
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def select_hyperparameters(
+    owner: object,
+    args: Sequence[Any],
+    ignore: Optional[Union[Sequence[str], str]],
+    frame: Any,
+    owner_type: type,
+) -> dict[str, Any]:
+    """What ``owner.save_hyperparameters(*args, ignore=...)`` keeps (a module's or a data module's).
+
+    With no ``args`` every argument of the ``__init__`` frames from ``frame`` outward; with names,
+    only those (a name that is not an argument is an error: it would be silently missing on load);
+    with one dict or ``argparse.Namespace``, that object's items.
+    """
+    if len(args) == 1 and not isinstance(args[0], str):
+        source = args[0]
+        hparams = (
+            dict(vars(source))
+            if hasattr(source, "__dict__") and not isinstance(source, Mapping)
+            else dict(source)
+        )
+    else:
+        init_args = _collect_init_args(frame, owner_type)
+        if args:
+            missing = [name for name in args if name not in init_args]
+            if missing:
+                raise ValueError(
+                    f"save_hyperparameters: {missing} are not arguments of {type(owner).__name__}.__init__."
+                )
+            hparams = {name: init_args[name] for name in args}
+        else:
+            hparams = init_args
+    for name in [ignore] if isinstance(ignore, str) else list(ignore or []):
+        hparams.pop(name, None)
+    return hparams
 
 
 def _collect_init_args(frame: Any, owner_type: type = nn.Module) -> dict[str, Any]:

@@ -8,16 +8,19 @@ on a user path, so a remote URL works wherever a local one does.
 from __future__ import annotations
 
 import os
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
-import fsspec
-from fsspec.core import url_to_fs
+if TYPE_CHECKING:
+    import fsspec
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 
 def resolve(url: PathLike, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem, str]:
     """Return ``(filesystem, path)`` for ``url``; a local path comes back absolute."""
+    # Imported on first use: fsspec costs ``import trainer_core`` more than the rest of it.
+    from fsspec.core import url_to_fs
+
     fs, path = url_to_fs(os.fspath(url), **storage_options)
     return fs, path
 

@@ -8,13 +8,14 @@ logger, the progress bar or a callback actually reads the metrics.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
 from trainer_core.errors import MisconfigurationException
-from trainer_core.utilities import extract_batch_size
+from trainer_core.utilities import extract_batch_size, to_float
 
 if TYPE_CHECKING:
     from trainer_core.plugins import TrainingTypePlugin
@@ -60,6 +61,7 @@ class LoggedMetric:
     __slots__ = (
         "batch_size_given",
         "count",
+        "dataloader",
         "epoch_value",
         "fx",
         "logger",
@@ -67,10 +69,10 @@ class LoggedMetric:
         "on_epoch",
         "on_step",
         "prog_bar",
-        "rank_zero_only",
         "reduce_fx",
         "step_value",
-        "sync_dist",
+        "sync",
+        "sync_group",
         "total",
     )
 
@@ -83,8 +85,9 @@ class LoggedMetric:
         on_step: bool,
         on_epoch: bool,
         reduce_fx: str,
-        sync_dist: bool,
-        rank_zero_only: bool,
+        sync: bool,
+        sync_group: Optional[Any],
+        dataloader: str,
     ) -> None:
         self.fx = fx
         self.name = name
@@ -93,8 +96,11 @@ class LoggedMetric:
         self.on_step = on_step
         self.on_epoch = on_epoch
         self.reduce_fx = reduce_fx
-        self.sync_dist = sync_dist
-        self.rank_zero_only = rank_zero_only
+        # Reduce across processes (over ``sync_group``, or all of them when it is None).
+        self.sync = sync
+        self.sync_group = sync_group
+        # The name suffix of the dataloader it was logged under ("" outside the loaders or with one).
+        self.dataloader = dataloader
         self.step_value: Any = None
         self.total: Any = None
         self.count = 0
@@ -125,10 +131,12 @@ class LoggedMetric:
         if self.total is None:
             return self.epoch_value
         total, count = self.total, self.count
-        if self.sync_dist and plugin is not None and plugin.world_size > 1:
-            total = plugin.reduce(_as_tensor(total), reduce_op=_SYNC_OP[self.reduce_fx])
+        if self.sync and plugin is not None and plugin.world_size > 1:
+            total = _reduce(plugin, total, _SYNC_OP[self.reduce_fx], self.sync_group)
             if self.reduce_fx == "mean":
-                count = plugin.reduce(torch.tensor(float(count), device=total.device), reduce_op="sum")
+                count = _reduce(
+                    plugin, torch.tensor(float(count), device=total.device), "sum", self.sync_group
+                )
         value = total / count if self.reduce_fx == "mean" else total
         self.epoch_value = value
         return value
@@ -136,9 +144,23 @@ class LoggedMetric:
 
 _SYNC_OP = {"mean": "sum", "sum": "sum", "max": "max", "min": "min"}
 
+#: What ``self.log`` appends to a name logged while dataloader N of several runs (Lightning's naming).
+DATALOADER_SUFFIX = "/dataloader_idx_{}"
+
 
 def _as_tensor(value: Any) -> Tensor:
     return value if isinstance(value, Tensor) else torch.tensor(float(value))
+
+
+def _reduce(plugin: TrainingTypePlugin, value: Any, reduce_op: str, group: Optional[Any]) -> Tensor:
+    """``value`` reduced across processes: over ``group`` (``self.log(sync_dist_group=...)``) if given.
+
+    The group is passed only when there is one, so that a plugin whose ``reduce`` takes no group
+    (one written by a user for a single process group) still serves every ``sync_dist=True`` log.
+    """
+    if group is None:
+        return plugin.reduce(_as_tensor(value), reduce_op=reduce_op)
+    return plugin.reduce(_as_tensor(value), reduce_op=reduce_op, group=group)
 
 
 def _maximum(a: Any, b: Any) -> Any:
@@ -163,8 +185,12 @@ class ResultCollection:
         self._batch_size: Optional[int] = None
         self.plugin: Optional[TrainingTypePlugin] = None
         self.step_dirty = False
-        # Set by the evaluation loop when it runs several dataloaders (Lightning's naming).
+        # Appended to each name logged while one of several dataloaders runs (Lightning's naming).
         self.name_suffix = ""
+
+    def set_dataloader(self, idx: Optional[int]) -> None:
+        """Log what follows under dataloader ``idx`` of several; ``None`` with one, or outside the loaders."""
+        self.name_suffix = "" if idx is None else DATALOADER_SUFFIX.format(idx)
 
     def new_batch(self, batch: Any) -> None:
         self.batch = batch
@@ -187,15 +213,31 @@ class ResultCollection:
         reduce_fx: Union[str, Callable],
         enable_graph: bool,
         sync_dist: bool,
+        sync_dist_group: Optional[Any],
+        add_dataloader_idx: bool,
         batch_size: Optional[int],
         rank_zero_only: bool,
     ) -> None:
-        if self.name_suffix:
-            name = name + self.name_suffix
+        """Record ``value`` under ``name``; the arguments are ``LightningModule.log``'s, in its order."""
+        dataloader = self.name_suffix
+        if dataloader and add_dataloader_idx:
+            name = name + dataloader
         metric = self.metrics.get(name)
-        if metric is None or metric.fx != fx:
+        if metric is None or metric.fx != fx or metric.dataloader != dataloader:
             metric = self._register(
-                fx, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, rank_zero_only
+                fx,
+                name,
+                value,
+                prog_bar,
+                logger,
+                on_step,
+                on_epoch,
+                reduce_fx,
+                # A value logged on rank 0 alone cannot be reduced: the other ranks would never join
+                # the collective. Lightning skips the reduction too.
+                sync_dist and not rank_zero_only,
+                sync_dist_group,
+                dataloader,
             )
         if isinstance(value, Tensor):
             if not enable_graph and value.requires_grad:
@@ -205,8 +247,8 @@ class ResultCollection:
                     f"self.log({name!r}, ...) in `{fx}` got a tensor of shape {tuple(value.shape)}; log a scalar."
                 )
         if metric.on_step:
-            if metric.sync_dist and self.plugin is not None and self.plugin.world_size > 1:
-                value = self.plugin.reduce(_as_tensor(value), reduce_op=metric.reduce_fx)
+            if metric.sync and self.plugin is not None and self.plugin.world_size > 1:
+                value = _reduce(self.plugin, value, metric.reduce_fx, metric.sync_group)
             metric.step_value = value
             self.step_dirty = True
         if metric.on_epoch:
@@ -222,8 +264,9 @@ class ResultCollection:
         on_step: Optional[bool],
         on_epoch: Optional[bool],
         reduce_fx: Union[str, Callable],
-        sync_dist: bool,
-        rank_zero_only: bool,
+        sync: bool,
+        sync_group: Optional[Any],
+        dataloader: str,
     ) -> LoggedMetric:
         if fx in NO_LOG_HOOKS:
             raise MisconfigurationException(
@@ -238,6 +281,13 @@ class ResultCollection:
             raise MisconfigurationException(
                 f"self.log({name!r}, ...) is called from both `{existing.fx}` and `{fx}`; give each its own name."
             )
+        if existing is not None:
+            # Only a name logged with add_dataloader_idx=False comes back under another dataloader.
+            raise MisconfigurationException(
+                f"self.log({name!r}, ..., add_dataloader_idx=False) in `{fx}` is logged under two dataloaders "
+                f"({existing.dataloader.lstrip('/')} and {dataloader.lstrip('/')}), so their values would mix "
+                "into one; give each dataloader its own name, or leave add_dataloader_idx=True."
+            )
         step_default = fx in STEP_HOOKS
         on_step = step_default if on_step is None else on_step
         on_epoch = (not step_default) if on_epoch is None else on_epoch
@@ -250,7 +300,7 @@ class ResultCollection:
                 f"self.log({name!r}, reduce_fx={reduce_fx!r}) is not supported; use 'mean', 'sum', 'max' or 'min'."
             )
         metric = LoggedMetric(
-            fx, name, prog_bar, logger, on_step, on_epoch, _REDUCE_FX[reduce_fx], sync_dist, rank_zero_only
+            fx, name, prog_bar, logger, on_step, on_epoch, _REDUCE_FX[reduce_fx], sync, sync_group, dataloader
         )
         self.metrics[name] = metric
         return metric
@@ -296,6 +346,26 @@ class ResultCollection:
             if metric.prog_bar:
                 pbar[key] = value
         return callback, log, pbar
+
+    def per_dataloader(self, metrics: Mapping[str, Any], count: int) -> list[dict[str, float]]:
+        """``metrics`` (read from this collection) as ``validate()``/``test()`` return them: a dict per dataloader.
+
+        A name belongs to the dataloader it was logged under, with or without ``/dataloader_idx_N``
+        as ``add_dataloader_idx`` chose; a name logged outside the loaders (``on_validation_epoch_end``)
+        goes into every dataloader's dict. Lightning splits them the same way.
+        """
+        values = {k: to_float(v) for k, v in metrics.items()}
+        if count <= 1:
+            return [values]
+        owner: dict[str, str] = {}
+        for name, metric in self.metrics.items():
+            owner[name] = metric.dataloader
+            if metric.forked:
+                owner[f"{name}_epoch"] = metric.dataloader
+        return [
+            {k: v for k, v in values.items() if owner.get(k, "") in ("", DATALOADER_SUFFIX.format(idx))}
+            for idx in range(count)
+        ]
 
     def reset(self) -> None:
         """Forget the values of the epoch; the registrations (names and options) are dropped too."""

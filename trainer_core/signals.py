@@ -149,13 +149,12 @@ class PreemptionHandler:
 
 
 @contextlib.contextmanager
-def handle_preemption(trainer: Trainer, stage: str) -> Iterator[None]:
-    """During ``fit`` (in the main thread), record pre-emption signals in ``trainer._preemption``."""
+def handle_preemption(stage: str) -> Iterator[Optional[PreemptionHandler]]:
+    """During ``fit`` (in the main thread), record pre-emption signals; yields the record (or ``None``)."""
     handler = PreemptionHandler()
     installed = stage == "fit" and handler.install()
-    trainer._preemption = handler if installed else None
     try:
-        yield
+        yield handler if installed else None
     except BaseException:
         # Failed or pre-empted: the run is over either way; a signal left over must not cut short
         # the error report or the clean exit.
@@ -165,8 +164,6 @@ def handle_preemption(trainer: Trainer, stage: str) -> Iterator[None]:
     else:
         if installed:
             handler.restore()
-    finally:
-        trainer._preemption = None
 
 
 def checkpoint_path(trainer: Trainer) -> str:
@@ -178,18 +175,15 @@ def checkpoint_path(trainer: Trainer) -> str:
     return paths.join(folder, PREEMPTED_CHECKPOINT)
 
 
-def finish_preempted(trainer: Trainer, stage: str, exc: Preempted) -> None:
-    """End the run as cleanly as a normal end: the checkpoint is complete on every rank."""
-    from lightning_utilities.core.overrides import is_overridden
-
-    from trainer_core.callbacks.base import Callback
+def finish_preempted(trainer: Trainer, exc: Preempted) -> None:
+    """End the run as cleanly as a normal end (the Trainer tears down next): the checkpoint is complete on every rank."""
+    from trainer_core.connectors import callback_overrides
 
     trainer.interrupted = True
-    trainer._preempted = True
+    trainer.preempted = True
     module = trainer.lightning_module
     for cb in trainer.callbacks:
-        if is_overridden("on_exception", cb, Callback):
+        if callback_overrides(cb, "on_exception"):
             cb.on_exception(trainer, module, exc)
     for lg in trainer.loggers:
         lg.finalize("preempted")
-    trainer._teardown(stage)

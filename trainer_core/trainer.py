@@ -11,30 +11,37 @@ import math
 import os
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from lightning_utilities.core.overrides import is_overridden
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer_core import loops, signals
-from trainer_core.callbacks.base import Callback
+from trainer_core import signals
 from trainer_core.connectors import (
+    callback_overrides,
+    checkpoint_callbacks,
     configure_callbacks,
     configure_loggers,
+    merge_module_callbacks,
+    progress_bar_callback,
     select_plugin,
     validate_limit,
     validate_positive_int,
 )
 from trainer_core.datamodule import LightningDataModule
 from trainer_core.errors import MisconfigurationException
-from trainer_core.hooks import Hooks
+from trainer_core.hooks import BatchHooks, HookRunner
+from trainer_core.loops import FitLoop, Progress, run_evaluation, run_predict
+from trainer_core.metrics import Metrics
 from trainer_core.module import LightningModule
 from trainer_core.optim import LightningOptimizer, LRSchedulerConfig
 from trainer_core.precision import Precision
-from trainer_core.results import ResultCollection
-from trainer_core.utilities import rank_zero_only, rank_zero_warn, to_float
+from trainer_core.utilities import rank_zero_only, rank_zero_warn
+
+if TYPE_CHECKING:
+    from trainer_core.callbacks import Callback
 
 _logger = logging.getLogger("trainer_core")
 
@@ -170,18 +177,13 @@ class Trainer:
         self.sanity_checking = False
         self.should_stop = False
         self.interrupted = False
-        # Pre-emption (trainer_core.signals): the signal record during fit, and whether it ended the fit.
-        self._preemption: Optional[signals.PreemptionHandler] = None
-        self._preempted = False
-        self.current_epoch = 0
-        self.global_step = 0
-        self.batch_idx = 0
-        self.total_batch_idx = 0
-        self._batches_that_stepped = 0
+        # Whether the last fit ended on a pre-emption signal (every rank saved and stopped).
+        self.preempted = False
         self.num_training_batches: Union[int, float] = float("inf")
         self.num_val_batches: list[Union[int, float]] = []
         self.num_test_batches: list[Union[int, float]] = []
         self.num_predict_batches: list[Union[int, float]] = []
+        self.val_check_batch: Union[int, float] = float("inf")
         self.train_dataloader: Any = None
         self.val_dataloaders: Any = None
         self.test_dataloaders: Any = None
@@ -189,48 +191,14 @@ class Trainer:
         self.datamodule: Optional[LightningDataModule] = None
         self.lightning_module: Optional[LightningModule] = None
         self.ckpt_path: Optional[str] = None
+        self.fit_loop: Optional[FitLoop] = None
+        self.lightning_optimizers: list[LightningOptimizer] = []
 
-        # Metrics as the user reads them, and the collection the running stage logs into.
-        self._callback_metrics: dict[str, Any] = {}
-        self._logged_metrics: dict[str, Any] = {}
-        self._progress_bar_metrics: dict[str, Any] = {}
-        self._results: Optional[ResultCollection] = None
-        self._train_results = ResultCollection(training=True)
-        self._current_fx: Optional[str] = None
-
-        # Per-run dispatch, built in ``_setup_run``.
-        self._hooks: Hooks = None  # type: ignore[assignment]
-        self._lightning_optimizers: list[LightningOptimizer] = []
-        self._after_closure: Optional[Callable[[Optimizer], None]] = None
-        self._loaded_checkpoint: Optional[dict[str, Any]] = None
-        self._closure: Optional[Callable[[], Any]] = None
-
-        # Loop positions the fit loop and checkpoints share.
-        self._train_source: Any = None
-        self._val_loaders_for_fit: list[Any] = []
-        self._resume_batch_idx = 0
-        self._restored_mid_run = False
-        self._is_last_batch = False
-        self._eval_step = 0
-        self.val_check_batch: Union[int, float] = float("inf")
-        self._batches_done_in_epoch = 0
-        self._validated_batch = False
-        # Whether this epoch's ReduceLROnPlateau step has run (a checkpoint at epoch end may precede it).
-        self._plateau_stepped = False
-        self._epoch_finished = False
-        self._epoch_start_rng: Optional[dict[str, Any]] = None
-        # The epoch the loop position (batches done, finished) counts in; None before the first epoch.
-        self._loop_epoch: Optional[int] = None
-        # The generators of the loop position while no batch is running: set by a restore or when the
-        # fit loop stops, written by checkpoints meanwhile, put back when the next epoch starts.
-        self._paused_rng: Optional[dict[str, Any]] = None
-        # Set by a restore, consumed by the first epoch after it.
-        self._resume_epoch_rng: Optional[dict[str, Any]] = None
-        self._resume_dataloader_state: Any = None
-        self._resume_grads: Optional[dict[str, Any]] = None
-        self._resume_sampler_seed: Optional[int] = None
-        # Samples of the epoch a checkpoint from another world size had seen (turned into a batch index).
-        self._resume_samples_done: Optional[int] = None
+        # The loop state (counters, positions, the resume plan), the way to the user's hooks, and
+        # where logged values go: loops, checkpoint code, plugins and callbacks use these.
+        self.progress = Progress()
+        self.hook_runner = HookRunner(self)
+        self.metrics = Metrics(self)
 
     # ------------------------------------------------------------------ entry points
     def fit(
@@ -248,14 +216,12 @@ class Trainer:
         if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
             raise MisconfigurationException("fit: pass either dataloaders or `datamodule=`, not both.")
         self.plugin.connect(model)
-        self._preempted = False
-        self._run_stage(
-            "fit",
-            model,
-            datamodule,
-            partial(loops.run_fit, self, train_dataloaders, val_dataloaders, ckpt_path),
-        )
-        if self._preempted:
+        self.preempted = False
+        self.progress.start_fit()
+        self.train_dataloader = None
+        self.fit_loop = FitLoop(self, train_dataloaders, val_dataloaders, ckpt_path)
+        self._run_stage("fit", model, datamodule, self.fit_loop.run)
+        if self.preempted:
             # Every rank saved the same step and tore down cleanly: end the job, successfully.
             raise SystemExit(signals.EXIT_CODE)
 
@@ -299,7 +265,7 @@ class Trainer:
             "predict",
             model,
             datamodule,
-            partial(loops.run_predict, self, dataloaders, ckpt_path, return_predictions),
+            partial(run_predict, self, dataloaders, ckpt_path, return_predictions),
         )
 
     def _evaluate(
@@ -320,7 +286,7 @@ class Trainer:
             stage,
             model,
             datamodule,
-            partial(loops.run_evaluation, self, stage, dataloaders, ckpt_path, verbose),
+            partial(run_evaluation, self, stage, dataloaders, ckpt_path, verbose),
         )
 
     def _default_ckpt_path(self, stage: str, model: Optional[LightningModule], ckpt_path: Any) -> Any:
@@ -359,21 +325,27 @@ class Trainer:
             datamodule.trainer = self
         model.trainer = self
         # The plugin may start processes that each run ``body`` (spawn pickles it: no lambdas here).
-        self.plugin._trainer = self
+        self.plugin.trainer = self
         return self.plugin.launch(self._guarded, stage, body)
 
     def _guarded(self, stage: str, body: Callable[[], Any]) -> Any:
         try:
-            with signals.handle_preemption(self, stage):
-                return body()
+            with signals.handle_preemption(stage) as preemption:
+                if self.fit_loop is not None:
+                    self.fit_loop.preemption = preemption
+                self._setup_run(stage)
+                result = body()
+                self._teardown(stage)
+                return result
         except signals.Preempted as exc:
-            signals.finish_preempted(self, stage, exc)
+            signals.finish_preempted(self, exc)
+            self._teardown(stage)
             return None
         except BaseException as exc:
             self.interrupted = isinstance(exc, KeyboardInterrupt)
             module = self.lightning_module
             for cb in self.callbacks:
-                if is_overridden("on_exception", cb, Callback):
+                if callback_overrides(cb, "on_exception"):
                     cb.on_exception(self, module, exc)
             try:
                 # Lightning's rule: after an error only the plugin is torn down, not the user's hooks.
@@ -383,22 +355,23 @@ class Trainer:
                 # The user needs the first error; one from the cleanup after it is only reported.
                 rank_zero_warn(f"Cleaning up after `{stage}` failed also raised: {cleanup_error!r}")
             finally:
-                self._results = None
+                self.metrics.results = None
                 for lg in self.loggers:
                     lg.finalize("failed")
             raise
         finally:
             self.training = False
             self.sanity_checking = False
+            if self.fit_loop is not None:
+                self.fit_loop.preemption = None
 
     # ------------------------------------------------------------------ run setup and teardown
     def _setup_run(self, stage: str) -> None:
         """Hooks in Lightning's order: callbacks, data, setup, model, plugin (optimizers)."""
-        from trainer_core.connectors import merge_module_callbacks
-
         module = self.lightning_module
         assert module is not None
-        self._current_fx = "configure_callbacks"
+        runner = self.hook_runner
+        runner.current_fx = "configure_callbacks"
         extra = module.configure_callbacks()
         if extra:
             self.callbacks = merge_module_callbacks(self.callbacks, extra)
@@ -408,29 +381,29 @@ class Trainer:
                 "prepare_data", self.datamodule, LightningDataModule
             ):
                 self.datamodule.prepare_data()
-            self._call_module_hook("prepare_data")
+            runner.call_module("prepare_data")
         self.plugin.barrier("prepare_data")
         if self.datamodule is not None:
             self.datamodule.setup(stage=stage)
-        self._call_callback_hooks("setup", stage=stage)
-        self._call_module_hook("setup", stage=stage)
-        self._call_module_hook("configure_model")
+        runner.call_callbacks("setup", stage=stage)
+        runner.call_module("setup", stage=stage)
+        runner.call_module("configure_model")
         self.plugin.setup(self)
-        self._lightning_optimizers = [LightningOptimizer(opt, self.plugin) for opt in self.plugin.optimizers]
+        self.lightning_optimizers = [LightningOptimizer(opt, self.plugin) for opt in self.plugin.optimizers]
         if not module.automatic_optimization:
-            for lopt in self._lightning_optimizers:
+            for lopt in self.lightning_optimizers:
                 lopt._on_step = self._count_manual_step
         if stage == "fit":
             self._check_optimization(module)
-        self._hooks = Hooks(self, module, self.callbacks)
+        runner.batch = BatchHooks(self, module, self.callbacks)
         if stage == "fit" and self.optimizer_in_backward:
             self._check_module_for_optimizer_in_backward(module)
             self.plugin.setup_optimizer_in_backward()
-        self._after_closure = self._make_after_closure(module)
-        self._train_results.plugin = self.plugin
+        runner.after_closure = self._make_after_closure(module)
+        self.metrics.train_results.plugin = self.plugin
 
     def _count_manual_step(self) -> None:
-        self.global_step += 1
+        self.progress.global_step += 1
 
     def _check_optimization(self, module: LightningModule) -> None:
         if module.automatic_optimization and len(self.plugin.optimizers) > 1:
@@ -494,12 +467,13 @@ class Trainer:
             if is_overridden(hook, module, LightningModule):
                 raise refuse(f"{type(module).__name__}.{hook}", gradients_gone)
         for cb in self.callbacks:
-            if is_overridden("on_before_optimizer_step", cb, Callback):
+            if callback_overrides(cb, "on_before_optimizer_step"):
                 raise refuse(f"the callback {type(cb).__name__}.on_before_optimizer_step", gradients_gone)
 
     def _make_after_closure(self, module: LightningModule) -> Optional[Callable[[Optimizer], None]]:
         """What runs between the backward and the parameter update, or ``None`` when nothing does."""
-        hooks = self._hooks.on_before_optimizer_step
+        runner = self.hook_runner
+        hooks = runner.batch.on_before_optimizer_step
         clip = module.automatic_optimization and (
             bool(self.gradient_clip_val)
             or is_overridden("configure_gradient_clipping", module, LightningModule)
@@ -509,9 +483,9 @@ class Trainer:
 
         def after_closure(optimizer: Optimizer) -> None:
             if hooks:
-                self._run_hooks("on_before_optimizer_step", hooks, optimizer)
+                runner.run("on_before_optimizer_step", hooks, optimizer)
             if clip:
-                self._current_fx = "configure_gradient_clipping"
+                runner.current_fx = "configure_gradient_clipping"
                 module.configure_gradient_clipping(
                     optimizer,
                     gradient_clip_val=self.gradient_clip_val,
@@ -521,99 +495,73 @@ class Trainer:
         return after_closure
 
     def _teardown(self, stage: str) -> None:
-        self._call_callback_hooks("teardown", stage=stage)
+        runner = self.hook_runner
+        runner.call_callbacks("teardown", stage=stage)
         if self.lightning_module is not None:
-            self._call_module_hook("teardown", stage=stage)
+            runner.call_module("teardown", stage=stage)
         if self.datamodule is not None:
             self.datamodule.teardown(stage=stage)
         self.plugin.teardown()
-        self._results = None
-        self._current_fx = None
-
-    # ------------------------------------------------------------------ hook dispatch
-    def _call_module_hook(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        assert module is not None
-        previous, self._current_fx = self._current_fx, name
-        try:
-            return getattr(module, name)(*args, **kwargs)
-        finally:
-            self._current_fx = previous
-
-    def _call_callback_hooks(self, name: str, *args: Any, **kwargs: Any) -> None:
-        module = self.lightning_module
-        previous, self._current_fx = self._current_fx, name
-        try:
-            for cb in self.callbacks:
-                getattr(cb, name)(self, module, *args, **kwargs)
-        finally:
-            self._current_fx = previous
-
-    def _call_hooks(self, name: str, *args: Any) -> None:
-        """A non-batch hook on every callback, then on the module (Lightning's order)."""
-        self._call_callback_hooks(name, *args)
-        self._call_module_hook(name, *args)
-
-    def _run_hooks(self, name: str, fns: tuple[Callable[..., Any], ...], *args: Any) -> Any:
-        """Run the pre-selected callables of a batch-level hook; returns the last result."""
-        self._current_fx = name
-        result = None
-        for fn in fns:
-            result = fn(*args)
-        return result
+        self.metrics.results = None
+        runner.current_fx = None
 
     # ------------------------------------------------------------------ metrics
     @property
     def callback_metrics(self) -> dict[str, Any]:
         """Every metric logged so far (latest step values and epoch aggregates), for callbacks."""
-        results = self._results
-        if results is not None and results.training and results.step_dirty:
-            callback, _, pbar = results.step_metrics()
-            self._callback_metrics.update(callback)
-            self._progress_bar_metrics.update({k: to_float(v) for k, v in pbar.items()})
-        return self._callback_metrics
+        metrics = self.metrics
+        metrics.take_step_values()
+        return metrics.callback
 
     @property
     def logged_metrics(self) -> dict[str, Any]:
         """The metrics last sent to the loggers."""
-        return self._logged_metrics
+        return self.metrics.logged
 
     @property
     def progress_bar_metrics(self) -> dict[str, float]:
         """The metrics logged with ``prog_bar=True``, as numbers."""
-        self.callback_metrics  # noqa: B018 - brings the latest step values in
-        return self._progress_bar_metrics
-
-    def _publish_epoch_metrics(
-        self, results: ResultCollection, log: bool, step: Optional[int] = None
-    ) -> dict[str, Any]:
-        """Compute a stage's epoch aggregates, expose them to callbacks and send them to the loggers."""
-        callback, logged, pbar = results.epoch_metrics()
-        self._callback_metrics.update(callback)
-        self._progress_bar_metrics.update({k: to_float(v) for k, v in pbar.items()})
-        if log and logged:
-            self._log_metrics(logged, self._batches_that_stepped if step is None else step)
-        return callback
-
-    def _log_metrics(self, metrics: dict[str, Any], step: int) -> None:
-        if not self.loggers:
-            return
-        scalars = {k: to_float(v) for k, v in metrics.items()}
-        self._logged_metrics.update(scalars)
-        scalars.setdefault("epoch", self.current_epoch)
-        for lg in self.loggers:
-            lg.log_metrics(scalars, step=step)
+        self.metrics.take_step_values()
+        return self.metrics.progress_bar
 
     # ------------------------------------------------------------------ properties users read
     @property
+    def current_epoch(self) -> int:
+        """Epochs finished (inside an epoch: those before it)."""
+        return self.progress.current_epoch
+
+    @current_epoch.setter
+    def current_epoch(self, value: int) -> None:
+        self.progress.current_epoch = value
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken."""
+        return self.progress.global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self.progress.global_step = value
+
+    @property
+    def batch_idx(self) -> int:
+        """The index of the training batch being processed in its epoch."""
+        return self.progress.batch_idx
+
+    @property
+    def total_batch_idx(self) -> int:
+        """Training batches processed in this run, over every epoch."""
+        return self.progress.total_batch_idx
+
+    @property
     def is_last_batch(self) -> bool:
         """Whether the training batch being processed is the last of its epoch (Lightning's name)."""
-        return self._is_last_batch
+        return self.progress.is_last_batch
 
     @property
     def batches_that_stepped(self) -> int:
         """Training batches that ended in an optimizer step: the step loggers record metrics at."""
-        return self._batches_that_stepped
+        return self.progress.batches_that_stepped
 
     @property
     def strategy(self) -> Any:
@@ -676,10 +624,9 @@ class Trainer:
 
     @property
     def validating(self) -> bool:
+        results = self.metrics.results
         return self.state_stage == "validate" or (
-            self.state_stage == "fit"
-            and self._results is not self._train_results
-            and self._results is not None
+            self.state_stage == "fit" and results is not self.metrics.train_results and results is not None
         )
 
     @property
@@ -692,9 +639,7 @@ class Trainer:
 
     @property
     def checkpoint_callbacks(self) -> list[Callback]:
-        from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
-
-        return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
+        return checkpoint_callbacks(self.callbacks)
 
     @property
     def checkpoint_callback(self) -> Optional[Callback]:
@@ -703,18 +648,13 @@ class Trainer:
 
     @property
     def progress_bar_callback(self) -> Optional[Callback]:
-        from trainer_core.callbacks.progress import ProgressBar
-
-        for cb in self.callbacks:
-            if isinstance(cb, ProgressBar):
-                return cb
-        return None
+        return progress_bar_callback(self.callbacks)
 
     @property
     def estimated_stepping_batches(self) -> Union[int, float]:
         """Optimizer steps the fit will take (for schedulers such as OneCycleLR)."""
-        if self.train_dataloader is None and self.state_stage == "fit" and self.lightning_module is not None:
-            loops._ensure_train_dataloader(self)
+        if self.train_dataloader is None and self.state_stage == "fit" and self.fit_loop is not None:
+            self.fit_loop.setup_train_dataloader()
         if math.isinf(self.num_training_batches) or self.max_epochs == -1:
             by_epochs: Union[int, float] = float("inf")
         else:
@@ -738,7 +678,7 @@ class Trainer:
             raise MisconfigurationException(
                 f"trainer.save_checkpoint({os.fspath(filepath)!r}): {unavailable}."
             )
-        from trainer_core.checkpointing import dump_checkpoint
+        from trainer_core.checkpoint.save import dump_checkpoint
 
         checkpoint = dump_checkpoint(self, weights_only)
         self.plugin.save_checkpoint(checkpoint, os.fspath(filepath), storage_options=storage_options)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,7 +12,9 @@ from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 
 __all__ = [
     "AttributeDict",
+    "as_list",
     "extract_batch_size",
+    "listing",
     "move_data_to_device",
     "rank_zero_only",
     "rank_zero_warn",
@@ -84,3 +86,20 @@ def to_float(value: Any) -> float:
     if isinstance(value, torch.Tensor):
         return value.item()
     return float(value)
+
+
+def as_list(obj: Any) -> list[Any]:
+    """``None`` -> ``[]``; a list or tuple -> a list; anything else -> a list of that one thing."""
+    if obj is None:
+        return []
+    if isinstance(obj, (list, tuple)):
+        return list(obj)
+    return [obj]
+
+
+def listing(names: Sequence[str], limit: int = 20) -> str:
+    """Names joined for an error message, cut after ``limit`` so a message stays readable."""
+    shown = ", ".join(names[:limit])
+    if len(names) > limit:
+        shown += f", ... and {len(names) - limit} more"
+    return shown

@@ -20,6 +20,7 @@ import torch
 
 from trainer_core.__about__ import __version__
 from trainer_core.errors import CheckpointError
+from trainer_core.utilities import listing
 
 FORMAT_VERSION = 1
 
@@ -36,14 +37,30 @@ KEY_RNG = "rng_states"
 KEY_HPARAMS = "hyper_parameters"
 KEY_PRECISION = "precision"
 KEY_PLUGIN = "plugin"  # {"name": ..., "world_size": ...} of the run that wrote it
+KEY_DATAMODULE = "datamodule"
+KEY_RNG_PER_RANK = "rng_states_per_rank"  # every rank's generators (rank 0's are also under KEY_RNG)
+
+# Inside ``KEY_LOOPS``: the loop position (written by ``Progress.state_dict``, read by its
+# ``load_state_dict``), then what the checkpoint code adds about the data and the schedulers.
+LOOP_EPOCH = "epoch"  # the epoch the position counts in
+LOOP_BATCHES_DONE = "batches_done_in_epoch"
+LOOP_EPOCH_FINISHED = "epoch_finished"
+LOOP_TOTAL_BATCH_IDX = "total_batch_idx"
+LOOP_BATCHES_THAT_STEPPED = "batches_that_stepped"
+LOOP_VALIDATED_LAST_BATCH = "validated_last_batch"  # the last batch's validation (if due) already ran
+LOOP_EPOCH_START_RNG = "epoch_start_rng"  # generators at the epoch's start: recreate its sampler order
+LOOP_WORLD_SIZE = "world_size"  # data-parallel replicas that split the epoch (pipeline ranks do not)
+LOOP_BATCH_SIZE = "batch_size"  # with LOOP_WORLD_SIZE: samples done, to resume at another world size
+LOOP_SAMPLER_SEED = "sampler_seed"  # a DistributedSampler's own seed
+LOOP_PENDING_PLATEAU = "pending_plateau_metrics"  # ReduceLROnPlateau steps the saved run took next
+LOOP_PER_RANK = "per_rank"  # what each rank holds for itself (rank 0's also at the top level)
+LOOP_DATALOADER = "dataloader"  # a stateful loader's state_dict
+LOOP_GRADS = "accumulated_grads"  # gradients of an unfinished accumulation cycle, by parameter name
 
 #: Keys every checkpoint has, including one saved with ``weights_only=True``.
 REQUIRED_KEYS = (KEY_FORMAT_VERSION, KEY_EPOCH, KEY_GLOBAL_STEP, KEY_STATE_DICT)
 #: Keys a checkpoint needs on top of :data:`REQUIRED_KEYS` to resume training exactly.
 RESUME_KEYS = (KEY_OPTIMIZER_STATES, KEY_LR_SCHEDULERS, KEY_LOOPS, KEY_CALLBACKS, KEY_RNG)
-
-# Lists longer than this are cut in error messages; the count of the rest is still given.
-_MAX_LISTED = 20
 
 SafeGlobal = Union[Callable[..., Any], tuple[Callable[..., Any], str]]
 _user_safe_globals: list[SafeGlobal] = []
@@ -82,13 +99,6 @@ def register_safe_globals(*objects: SafeGlobal) -> None:
     _user_safe_globals.extend(objects)
 
 
-def _listing(names: list[str]) -> str:
-    shown = ", ".join(names[:_MAX_LISTED])
-    if len(names) > _MAX_LISTED:
-        shown += f", ... and {len(names) - _MAX_LISTED} more"
-    return shown
-
-
 def _describe_foreign(checkpoint: Mapping[Any, Any]) -> str:
     """Say what a dict without ``format_version`` most likely is, so the user knows how to load it."""
     if "pytorch-lightning_version" in checkpoint:
@@ -102,7 +112,7 @@ def _describe_foreign(checkpoint: Mapping[Any, Any]) -> str:
             "model.load_state_dict(torch.load(path, weights_only=True)), or write checkpoints with "
             "trainer.save_checkpoint(path)"
         )
-    keys = _listing(sorted(map(str, checkpoint.keys())))
+    keys = listing(sorted(map(str, checkpoint.keys())))
     return f"its top-level keys are [{keys}]; write checkpoints with trainer.save_checkpoint(path)"
 
 
@@ -203,13 +213,13 @@ def check_state_dict_matches(
             wrong_kind.append(f"{name}: checkpoint {loaded[name].dtype} vs model {expected[name].dtype}")
     problems = []
     if strict and missing:
-        problems.append(f"missing in the checkpoint ({len(missing)}): {_listing(missing)}")
+        problems.append(f"missing in the checkpoint ({len(missing)}): {listing(missing)}")
     if strict and unexpected:
-        problems.append(f"unexpected in the checkpoint ({len(unexpected)}): {_listing(unexpected)}")
+        problems.append(f"unexpected in the checkpoint ({len(unexpected)}): {listing(unexpected)}")
     if mismatched:
-        problems.append(f"shape mismatch ({len(mismatched)}): {_listing(mismatched)}")
+        problems.append(f"shape mismatch ({len(mismatched)}): {listing(mismatched)}")
     if wrong_kind:
-        problems.append(f"dtype mismatch ({len(wrong_kind)}): {_listing(wrong_kind)}")
+        problems.append(f"dtype mismatch ({len(wrong_kind)}): {listing(wrong_kind)}")
     if problems:
         hint = "Load a checkpoint of this model, or change the model to match"
         if strict and not mismatched and not wrong_kind:
@@ -218,7 +228,7 @@ def check_state_dict_matches(
     with_nan = sorted(name for name in set(expected) & set(loaded) if _has_nan(loaded[name]))
     if with_nan:
         raise CheckpointError(
-            f"{path} holds NaN weights ({len(with_nan)}): {_listing(with_nan)}. It was saved after training "
+            f"{path} holds NaN weights ({len(with_nan)}): {listing(with_nan)}. It was saved after training "
             "diverged; resume from an earlier checkpoint of the run (and lower the learning rate or clip "
             "gradients)."
         )

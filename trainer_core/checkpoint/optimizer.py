@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from trainer_core.errors import CheckpointError
+from trainer_core.utilities import listing
 
 ParamNames = Union[Mapping[torch.Tensor, str], Sequence[str]]
 
@@ -33,7 +34,6 @@ _PARAMS = "params"
 # Newer torch stores names next to indices when an optimizer was built from named_parameters();
 # the name-keyed form already uses names as the keys, so this copy is dropped.
 _TORCH_PARAM_NAMES = "param_names"
-_MAX_LISTED = 20
 
 
 def parameter_names(module: nn.Module) -> dict[torch.Tensor, str]:
@@ -68,11 +68,6 @@ def _ordered_names(optimizer: torch.optim.Optimizer, param_names: ParamNames) ->
         grouped.append(names[start : start + len(params)])
         start += len(params)
     return grouped
-
-
-def _listing(names: Sequence[str]) -> str:
-    shown = ", ".join(names[:_MAX_LISTED])
-    return shown + (f", ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else "")
 
 
 def optimizer_state_to_names(
@@ -133,9 +128,9 @@ def optimizer_state_from_names(
     if missing or unexpected:
         problems = []
         if missing:
-            problems.append(f"parameters the checkpoint lacks ({len(missing)}): {_listing(missing)}")
+            problems.append(f"parameters the checkpoint lacks ({len(missing)}): {listing(missing)}")
         if unexpected:
-            problems.append(f"parameters the optimizer lacks ({len(unexpected)}): {_listing(unexpected)}")
+            problems.append(f"parameters the optimizer lacks ({len(unexpected)}): {listing(unexpected)}")
         raise CheckpointError(
             f"{where} does not match {type(optimizer).__name__}:\n  "
             + "\n  ".join(problems)
@@ -148,7 +143,7 @@ def optimizer_state_from_names(
         if len(sources) > 1:
             raise CheckpointError(
                 f"{where}: one param group of {type(optimizer).__name__} holds parameters from {len(sources)} "
-                f"different saved groups ({_listing(names)}), so its hyper-parameters are ambiguous; "
+                f"different saved groups ({listing(names)}), so its hyper-parameters are ambiguous; "
                 "group the parameters as the run that saved the checkpoint did."
             )
         # An empty group has no stored counterpart and keeps its own hyper-parameters.

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from argparse import Namespace
 from typing import Any, Optional, Union
 
 from trainer_core import paths
+
+#: Hyper-parameters beside the logs; written as JSON, which is valid YAML and needs no YAML library.
+HPARAMS_FILE = "hparams.yaml"
 
 
 class Logger:
@@ -40,6 +45,56 @@ class Logger:
     def finalize(self, status: str) -> None:
         """Flush and close at the end of a run (``status``: ``"success"``, ``"failed"`` or ``"preempted"``)."""
         self.save()
+
+
+class FolderLogger(Logger):
+    """A logger that writes into ``<save_dir>/<name>/version_<n>`` on any fsspec URL.
+
+    ``version`` is the next free number under ``<save_dir>/<name>`` unless given, and is chosen
+    only when first needed, so a logger that never writes creates no folder.
+    """
+
+    def __init__(
+        self,
+        save_dir: Union[str, os.PathLike],
+        name: Optional[str] = "lightning_logs",
+        version: Optional[Union[int, str]] = None,
+        storage_options: Optional[dict[str, Any]] = None,
+    ) -> None:
+        self._save_dir = os.fspath(save_dir)
+        self._name = name or ""
+        self._version = version
+        self._storage_options = storage_options or {}
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir
+
+    @property
+    def root_dir(self) -> str:
+        """``<save_dir>/<name>``: the folder that holds every version of this experiment."""
+        return paths.join(self._save_dir, self._name) if self._name else self._save_dir
+
+    @property
+    def version(self) -> Union[int, str]:
+        if self._version is None:
+            self._version = next_version(self.root_dir, self._storage_options)
+        return self._version
+
+    @property
+    def log_dir(self) -> str:
+        return paths.join(self.root_dir, version_folder(self.version))
+
+    def _write_hparams_file(self, params: dict[str, Any]) -> None:
+        """``params`` as ``<log_dir>/hparams.yaml`` (what ``load_from_checkpoint(hparams_file=...)`` reads)."""
+        fs, folder = paths.resolve(self.log_dir, **self._storage_options)
+        fs.makedirs(folder, exist_ok=True)
+        with fs.open(f"{folder}/{HPARAMS_FILE}", "w") as f:
+            json.dump(params, f, indent=2, sort_keys=True, default=repr)
 
 
 def next_version(root: str, storage_options: Optional[dict[str, Any]] = None) -> int:

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import os
 from argparse import Namespace
 from typing import Any, Optional, Union
 
 from trainer_core import paths
-from trainer_core.loggers.base import Logger, as_dict, next_version, version_folder
+from trainer_core.loggers.base import FolderLogger, as_dict
 from trainer_core.utilities import rank_zero_only
 
 METRICS_FILE = "metrics.csv"
-HPARAMS_FILE = "hparams.yaml"
 
 
-class CSVLogger(Logger):
+class CSVLogger(FolderLogger):
     """Write ``<save_dir>/<name>/version_<n>/metrics.csv`` on global rank 0.
 
     Rows are buffered and written every ``flush_logs_every_n_steps`` logging calls and at the end
@@ -33,38 +31,13 @@ class CSVLogger(Logger):
         flush_logs_every_n_steps: int = 100,
         storage_options: Optional[dict[str, Any]] = None,
     ) -> None:
-        self._save_dir = os.fspath(save_dir)
-        self._name = name or ""
-        self._version = version
+        super().__init__(save_dir, name, version, storage_options)
         self._prefix = prefix
         self._flush_every = flush_logs_every_n_steps
-        self._storage_options = storage_options or {}
         self._rows: list[dict[str, Any]] = []
         self._target: Optional[tuple[Any, str]] = None
         self._keys: list[str] = []
         self._calls = 0
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def save_dir(self) -> str:
-        return self._save_dir
-
-    @property
-    def root_dir(self) -> str:
-        return paths.join(self._save_dir, self._name) if self._name else self._save_dir
-
-    @property
-    def version(self) -> Union[int, str]:
-        if self._version is None:
-            self._version = next_version(self.root_dir, self._storage_options)
-        return self._version
-
-    @property
-    def log_dir(self) -> str:
-        return paths.join(self.root_dir, version_folder(self.version))
 
     @property
     def metrics_file_path(self) -> str:
@@ -72,12 +45,7 @@ class CSVLogger(Logger):
 
     @rank_zero_only
     def log_hyperparams(self, params: Union[dict[str, Any], Namespace]) -> None:
-        params = as_dict(params)
-        fs, folder = paths.resolve(self.log_dir, **self._storage_options)
-        fs.makedirs(folder, exist_ok=True)
-        # JSON is valid YAML, and needs no YAML library to write.
-        with fs.open(f"{folder}/{HPARAMS_FILE}", "w") as f:
-            json.dump(_plain(params), f, indent=2, sort_keys=True, default=repr)
+        self._write_hparams_file(_plain(as_dict(params)))
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:

@@ -11,7 +11,6 @@ of the run's events: TensorBoard pointed at the bucket shows the run up to the l
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -21,19 +20,17 @@ from typing import Any, Optional, Union
 from lightning_utilities.core.imports import RequirementCache
 
 from trainer_core import paths
-from trainer_core.loggers.base import Logger, as_dict, next_version, version_folder
+from trainer_core.loggers.base import FolderLogger, as_dict
 from trainer_core.utilities import rank_zero_only
 
 _TENSORBOARD = RequirementCache("tensorboard")
-
-HPARAMS_FILE = "hparams.yaml"
 
 
 def tensorboard_available() -> bool:
     return bool(_TENSORBOARD)
 
 
-class TensorBoardLogger(Logger):
+class TensorBoardLogger(FolderLogger):
     """Write ``<save_dir>/<name>/version_<n>[/<sub_dir>]/events.out.tfevents.*`` on global rank 0.
 
     Arguments follow Lightning's: ``default_hp_metric`` logs ``hp_metric=-1`` with the
@@ -58,13 +55,10 @@ class TensorBoardLogger(Logger):
                 f"TensorBoardLogger needs the `tensorboard` package ({_TENSORBOARD.message}); "
                 "`pip install tensorboard`, or use CSVLogger."
             )
-        self._save_dir = os.fspath(save_dir)
-        self._name = name or ""
-        self._version = version
+        super().__init__(save_dir, name, version, storage_options)
         self._default_hp_metric = default_hp_metric
         self._prefix = prefix
         self._sub_dir = sub_dir
-        self._storage_options = storage_options or {}
         self._writer_kwargs = writer_kwargs
         self._writer: Any = None
         self._hparams: dict[str, Any] = {}
@@ -73,26 +67,9 @@ class TensorBoardLogger(Logger):
         self._uploaded: dict[str, int] = {}
 
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def save_dir(self) -> str:
-        return self._save_dir
-
-    @property
-    def root_dir(self) -> str:
-        return paths.join(self._save_dir, self._name) if self._name else self._save_dir
-
-    @property
-    def version(self) -> Union[int, str]:
-        if self._version is None:
-            self._version = next_version(self.root_dir, self._storage_options)
-        return self._version
-
-    @property
     def log_dir(self) -> str:
-        log_dir = paths.join(self.root_dir, version_folder(self.version))
+        """The version folder, or its ``sub_dir`` when one was given."""
+        log_dir = super().log_dir
         return paths.join(log_dir, self._sub_dir) if self._sub_dir else log_dir
 
     @property
@@ -138,7 +115,7 @@ class TensorBoardLogger(Logger):
                 file_writer.add_summary(summary)
             for key, value in metrics.items():
                 writer.add_scalar(key, value, 0)
-        self._write_hparams_file()
+        self._write_hparams_file(self._hparams)
 
     @rank_zero_only
     def save(self) -> None:
@@ -162,13 +139,6 @@ class TensorBoardLogger(Logger):
             self._uploaded = {}
 
     # ------------------------------------------------------------------ files
-    def _write_hparams_file(self) -> None:
-        fs, folder = paths.resolve(self.log_dir, **self._storage_options)
-        fs.makedirs(folder, exist_ok=True)
-        # JSON is valid YAML, and needs no YAML library to write.
-        with fs.open(f"{folder}/{HPARAMS_FILE}", "w") as f:
-            json.dump(self._hparams, f, indent=2, sort_keys=True, default=repr)
-
     def _upload(self) -> None:
         """Copy the spool's new or grown files to the remote ``log_dir`` (whole files: stores cannot append)."""
         assert self._spool is not None

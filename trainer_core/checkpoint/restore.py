@@ -1,0 +1,244 @@
+"""Putting a run back from a checkpoint, and building a module from one.
+
+``restore_checkpoint`` checks *everything* (format, parameter names and shapes, optimizer names,
+counts) before it changes anything, so a bad file leaves the model, the optimizers and the trainer
+as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from trainer_core.checkpoint.format import (
+    KEY_CALLBACKS,
+    KEY_DATAMODULE,
+    KEY_GLOBAL_STEP,
+    KEY_HPARAMS,
+    KEY_LOOPS,
+    KEY_LR_SCHEDULERS,
+    KEY_OPTIMIZER_STATES,
+    KEY_PRECISION,
+    KEY_RNG,
+    KEY_RNG_PER_RANK,
+    KEY_STATE_DICT,
+    LOOP_DATALOADER,
+    LOOP_EPOCH,
+    LOOP_GRADS,
+    LOOP_PENDING_PLATEAU,
+    LOOP_PER_RANK,
+    check_state_dict_matches,
+    validate_checkpoint,
+)
+from trainer_core.checkpoint.optimizer import merge_named_states, select_named_state
+from trainer_core.checkpoint.save import data_replicas, loader_batch_size
+from trainer_core.errors import CheckpointError
+from trainer_core.optim import rebase_learning_rates
+from trainer_core.utilities import rank_zero_warn
+
+if TYPE_CHECKING:
+    from trainer_core.module import LightningModule
+    from trainer_core.trainer import Trainer
+
+
+def resolve_ckpt_path(trainer: Trainer, ckpt_path: Union[str, os.PathLike]) -> Optional[str]:
+    """A path as given; ``"best"``: the best checkpoint of this run; ``"last"``: the newest complete one."""
+    path = os.fspath(ckpt_path)
+    if path == "best":
+        callback = trainer.checkpoint_callback
+        best = getattr(callback, "best_model_path", "") if callback is not None else ""
+        if not best:
+            raise CheckpointError(
+                'ckpt_path="best" needs a ModelCheckpoint that has saved a checkpoint in this run; pass a path instead.'
+            )
+        return best
+    if path != "last":
+        return path
+    io = trainer.plugin.checkpoint_io
+    candidates = []
+    for cb in trainer.checkpoint_callbacks:
+        if cb.dirpath is None:
+            cb.setup(trainer, trainer.lightning_module, "fit")
+        for folder in cb.resume_search_dirs():
+            found = io.latest_complete(folder)
+            if found is not None:
+                candidates.append(found)
+    if not candidates:
+        rank_zero_warn(
+            'fit(ckpt_path="last") found no complete checkpoint; training starts from the beginning.'
+        )
+        return None
+    if len(candidates) == 1:
+        return candidates[0]
+    return max(candidates, key=io.saved_at)
+
+
+def restore_checkpoint(
+    trainer: Trainer, ckpt_path: Union[str, os.PathLike], weights_only: bool = False
+) -> None:
+    """Load ``ckpt_path`` into the run: all checks first, then every change at once."""
+    path = resolve_ckpt_path(trainer, ckpt_path)
+    if path is None:
+        return
+    module = trainer.lightning_module
+    plugin = trainer.plugin
+    assert module is not None
+    checkpoint = plugin.load_checkpoint(path)
+    validate_checkpoint(checkpoint, path, for_resume=not weights_only)
+    check_state_dict_matches(module.state_dict(), checkpoint[KEY_STATE_DICT], path)
+
+    optimizer_states: list[dict[str, Any]] = []
+    if not weights_only:
+        # Schedulers first: states that disagree are the root cause of ambiguous optimizer groups.
+        scheduler_states = _scheduler_states_for(
+            checkpoint[KEY_LR_SCHEDULERS], len(plugin.lr_scheduler_configs), path
+        )
+        optimizer_states = _optimizer_states_for(trainer, checkpoint[KEY_OPTIMIZER_STATES], path)
+
+    # Nothing has changed yet; from here on the checkpoint is known to fit.
+    runner = trainer.hook_runner
+    if not weights_only:
+        with runner.running("on_load_checkpoint"):
+            for cb in trainer.callbacks:
+                cb.on_load_checkpoint(trainer, module, checkpoint)
+    runner.call_module("on_load_checkpoint", checkpoint)
+    plugin.load_model_state_dict(checkpoint[KEY_STATE_DICT])
+    trainer.ckpt_path = path
+    if weights_only:
+        return
+    for opt, state in zip(plugin.optimizers, optimizer_states):
+        plugin.load_optimizer_state_dict(opt, state)
+    regrouped = len(checkpoint[KEY_LR_SCHEDULERS]) != len(plugin.lr_scheduler_configs)
+    for config, state in zip(plugin.lr_scheduler_configs, scheduler_states):
+        config.scheduler.load_state_dict(state)
+        if regrouped:
+            rebase_learning_rates(config.scheduler)
+    _take_pending_plateau_steps(trainer, checkpoint[KEY_LOOPS])
+    plugin.precision.load_state_dict(checkpoint.get(KEY_PRECISION, {}))
+    callback_states = checkpoint.get(KEY_CALLBACKS, {})
+    for cb in trainer.callbacks:
+        if cb.state_key in callback_states:
+            cb.load_state_dict(callback_states[cb.state_key])
+    if trainer.datamodule is not None and KEY_DATAMODULE in checkpoint:
+        trainer.datamodule.load_state_dict(checkpoint[KEY_DATAMODULE])
+    _restore_loops(trainer, checkpoint)
+
+
+def _optimizer_states_for(trainer: Trainer, saved: list[dict[str, Any]], path: str) -> list[Any]:
+    """What each of this run's optimizers loads, checked; nothing is changed here.
+
+    With as many optimizers as were saved, each takes its own state. With more or fewer (the model
+    was split into more or fewer parts, each with its own optimizer), the name-keyed states are
+    pooled and every optimizer takes, by name, the parameters it holds.
+    """
+    plugin = trainer.plugin
+    optimizers = plugin.optimizers
+    if len(saved) == len(optimizers):
+        return [plugin.prepare_optimizer_state(opt, state, path) for state, opt in zip(saved, optimizers)]
+    if not saved:
+        raise CheckpointError(f"{path} holds no optimizer state; resume from a full checkpoint.")
+    pooled = merge_named_states(saved)
+    names = {param: name for name, param in trainer.lightning_module.named_parameters()}  # type: ignore[union-attr]
+    prepared = []
+    for opt in optimizers:
+        mine = [names[p] for group in opt.param_groups for p in group["params"] if p in names]
+        prepared.append(plugin.prepare_optimizer_state(opt, select_named_state(pooled, mine), path))
+    return prepared
+
+
+def _scheduler_states_for(saved: list[dict[str, Any]], count: int, path: str) -> list[dict[str, Any]]:
+    """One state per scheduler of this run from the flat saved list (copies when the counts differ).
+
+    A scheduler's ``load_state_dict`` keeps references into the dict it is given, so each
+    scheduler gets its own deep copy; the copies are only valid if every saved state is at the
+    same step.
+    """
+    if len(saved) == count:
+        return saved
+    if count == 0:
+        return []
+    if not saved:
+        raise CheckpointError(
+            f"{path} holds no scheduler state but configure_optimizers returned {count} scheduler(s)."
+        )
+    steps = sorted({state.get("last_epoch") for state in saved}, key=str)
+    kinds = sorted({tuple(sorted(state)) for state in saved})
+    if len(steps) > 1 or len(kinds) > 1:
+        raise CheckpointError(
+            f"{path} holds {len(saved)} scheduler states and this run has {count} scheduler(s); they can only be "
+            f"shared out when the saved ones agree, but they are at different steps ({steps}) or of different "
+            "kinds. Resume with the same number of schedulers as the saved run."
+        )
+    return [copy.deepcopy(saved[0]) for _ in range(count)]
+
+
+def _take_pending_plateau_steps(trainer: Trainer, loops: dict[str, Any]) -> None:
+    """The ReduceLROnPlateau steps the saved run took right after writing the checkpoint."""
+    pending = loops.get(LOOP_PENDING_PLATEAU)
+    if not pending:
+        return
+    for config in trainer.lr_scheduler_configs:
+        due = (loops[LOOP_EPOCH] + 1) % config.frequency == 0
+        if config.reduce_on_plateau and config.interval == "epoch" and due and config.monitor in pending:
+            trainer.hook_runner.call_module("lr_scheduler_step", config.scheduler, pending[config.monitor])
+
+
+def _restore_loops(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+    loops = checkpoint[KEY_LOOPS]
+    progress = trainer.progress
+    progress.load_state_dict(
+        loops, checkpoint[KEY_GLOBAL_STEP], _rng_for_this_rank(trainer, checkpoint), data_replicas(trainer)
+    )
+    own = loops
+    per_rank = loops.get(LOOP_PER_RANK)
+    if per_rank is not None and len(per_rank) == trainer.world_size:
+        own = per_rank[trainer.global_rank]
+    progress.resume.dataloader_state = own.get(LOOP_DATALOADER)
+    progress.resume.grads = own.get(LOOP_GRADS)
+
+
+def resume_batch_at_another_world_size(trainer: Trainer, loader: Any) -> None:
+    """Once the loader exists: the first batch after the samples the saved run had already seen."""
+    resume = trainer.progress.resume
+    samples = resume.samples_done
+    resume.samples_done = None
+    batch = loader_batch_size(loader)
+    if samples is not None and batch:
+        resume.batch_idx = samples // (data_replicas(trainer) * batch)
+
+
+def _rng_for_this_rank(trainer: Trainer, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """This rank's own saved generators at the same world size; rank 0's at another one."""
+    per_rank = checkpoint.get(KEY_RNG_PER_RANK)
+    if per_rank is not None and len(per_rank) == trainer.world_size:
+        return per_rank[trainer.global_rank]
+    return checkpoint[KEY_RNG]
+
+
+def load_module_from_checkpoint(
+    cls: type[LightningModule],
+    checkpoint_path: Union[str, os.PathLike],
+    map_location: Any = None,
+    strict: Optional[bool] = None,
+    **overrides: Any,
+) -> LightningModule:
+    """``cls`` built from the checkpoint's hyper-parameters (``overrides`` win), with its weights loaded."""
+    from trainer_core.plugins.io import TorchCheckpointIO
+
+    path = os.fspath(checkpoint_path)
+    checkpoint = TorchCheckpointIO().load_checkpoint(path, map_location=map_location)
+    validate_checkpoint(checkpoint, path)
+    hparams = {**checkpoint.get(KEY_HPARAMS, {}), **overrides}
+    try:
+        model = cls(**hparams)
+    except TypeError as err:
+        raise CheckpointError(
+            f"{cls.__name__}(**hyper_parameters of {path}) failed: {err}. Pass the missing or changed arguments to "
+            f"load_from_checkpoint as keywords."
+        ) from err
+    model.on_load_checkpoint(checkpoint)
+    strict = True if strict is None else strict
+    check_state_dict_matches(model.state_dict(), checkpoint[KEY_STATE_DICT], path, strict=strict)
+    model.load_state_dict(checkpoint[KEY_STATE_DICT], strict=strict)
+    return model

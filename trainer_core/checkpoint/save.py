@@ -1,0 +1,204 @@
+"""Building the checkpoint dict of a run, on every rank.
+
+``dump_checkpoint`` assembles the dict of the checkpoint contract (docs/architecture.md); the plugin
+fills the parts it owns (model state, optimizer state under the consolidation rule) and writes it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import Tensor
+
+from trainer_core.__about__ import __version__
+from trainer_core.checkpoint.format import (
+    FORMAT_VERSION,
+    KEY_CALLBACKS,
+    KEY_DATAMODULE,
+    KEY_EPOCH,
+    KEY_FORMAT_VERSION,
+    KEY_GLOBAL_STEP,
+    KEY_HPARAMS,
+    KEY_LOOPS,
+    KEY_LR_SCHEDULERS,
+    KEY_OPTIMIZER_STATES,
+    KEY_PLUGIN,
+    KEY_PRECISION,
+    KEY_RNG,
+    KEY_RNG_PER_RANK,
+    KEY_STATE_DICT,
+    KEY_VERSION,
+    LOOP_BATCH_SIZE,
+    LOOP_DATALOADER,
+    LOOP_GRADS,
+    LOOP_PENDING_PLATEAU,
+    LOOP_PER_RANK,
+    LOOP_SAMPLER_SEED,
+    LOOP_WORLD_SIZE,
+)
+from trainer_core.checkpoint.rng import collect_rng_states
+from trainer_core.utilities import rank_zero_warn
+
+if TYPE_CHECKING:
+    from trainer_core.trainer import Trainer
+
+
+def _plain_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
+    """Hyper-parameters that load without unpickling code; others are dropped with a warning."""
+    kept: dict[str, Any] = {}
+    dropped = []
+    for key, value in hparams.items():
+        if _is_plain(value):
+            kept[key] = value
+        else:
+            dropped.append(key)
+    if dropped:
+        rank_zero_warn(
+            f"hyper-parameters {dropped} are not plain values (numbers, strings, tensors, lists, dicts) and are not "
+            "saved in the checkpoint; pass them to load_from_checkpoint, or exclude them with "
+            "save_hyperparameters(ignore=[...])."
+        )
+    return kept
+
+
+def _is_plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str, Tensor)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, (str, int)) and _is_plain(v) for k, v in value.items())
+    return False
+
+
+def data_replicas(trainer: Trainer) -> int:
+    """Processes that each draw their own part of the data (all of them, but for pipeline parallelism)."""
+    kwargs = trainer.plugin.distributed_sampler_kwargs
+    return kwargs["num_replicas"] if kwargs else trainer.world_size
+
+
+def loader_batch_size(loader: Any) -> Optional[int]:
+    size = getattr(loader, "batch_size", None)
+    return size if isinstance(size, int) else None
+
+
+def loop_state(trainer: Trainer) -> dict[str, Any]:
+    """Where the fit loop stands (``trainer.progress``), with what the data and schedulers add to it."""
+    progress = trainer.progress
+    state = progress.state_dict()
+    state[LOOP_WORLD_SIZE] = data_replicas(trainer)
+    state[LOOP_BATCH_SIZE] = loader_batch_size(trainer.train_dataloader)
+    if progress.epoch_finished and not progress.plateau_stepped:
+        # Saved in an epoch-end hook, before the epoch's ReduceLROnPlateau step: keep the metric it
+        # will read, so the resumed run takes that step exactly as the saved run did next.
+        pending = {}
+        for config in trainer.lr_scheduler_configs:
+            if (
+                config.reduce_on_plateau
+                and config.interval == "epoch"
+                and config.monitor in trainer.callback_metrics
+            ):
+                pending[config.monitor] = (
+                    torch.as_tensor(trainer.callback_metrics[config.monitor]).detach().cpu()
+                )
+        if pending:
+            state[LOOP_PENDING_PLATEAU] = pending
+    seed = getattr(getattr(trainer.train_dataloader, "sampler", None), "seed", None)
+    if isinstance(seed, int):
+        # A DistributedSampler shuffles from its own seed (from seed_everything): a resumed process
+        # seeded differently must still draw the saved run's order.
+        state[LOOP_SAMPLER_SEED] = seed
+    return state
+
+
+def rank_loop_state(trainer: Trainer) -> dict[str, Any]:
+    """The parts of the loop position each rank holds for itself: its loader's state, its gradients."""
+    state: dict[str, Any] = {}
+    loader = trainer.train_dataloader
+    if loader is not None and callable(getattr(loader, "state_dict", None)):
+        state[LOOP_DATALOADER] = loader.state_dict()
+    module = trainer.lightning_module
+    progress = trainer.progress
+    mid_cycle = (
+        module is not None
+        and module.automatic_optimization
+        and trainer.accumulate_grad_batches > 1
+        and progress.batches_done_in_epoch % trainer.accumulate_grad_batches != 0
+        and not progress.epoch_finished
+    )
+    unsaved = (
+        trainer.plugin.mid_accumulation_gradients_unsaved if mid_cycle and trainer.world_size > 1 else None
+    )
+    if unsaved:
+        rank_zero_warn(
+            f"This checkpoint is written between two optimizer steps (accumulate_grad_batches="
+            f"{trainer.accumulate_grad_batches}) under {type(trainer.plugin).__name__}: {unsaved}. A run resumed from it "
+            "continues without them, so it is not exactly the run that went on. Save at optimizer steps "
+            "(ModelCheckpoint(every_n_train_steps=...) does) for an exact resume."
+        )
+    elif mid_cycle:
+        # Saved between two optimizer steps: keep the gradients accumulated so far (each rank's own
+        # under data parallelism, where they are synchronised only at the step; a shard under FSDP).
+        state[LOOP_GRADS] = {
+            name: _local_tensor(p.grad).detach().clone()
+            for name, p in module.named_parameters()
+            if p.grad is not None
+        }
+    return state
+
+
+def _local_tensor(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
+    """The checkpoint dict, on every rank (sharded parts filled in by the plugin)."""
+    module = trainer.lightning_module
+    plugin = trainer.plugin
+    assert module is not None
+    checkpoint: dict[str, Any] = {
+        KEY_FORMAT_VERSION: FORMAT_VERSION,
+        KEY_VERSION: __version__,
+        KEY_EPOCH: trainer.current_epoch,
+        KEY_GLOBAL_STEP: trainer.global_step,
+        KEY_STATE_DICT: plugin.lightning_module_state_dict(),
+        KEY_PLUGIN: {"name": plugin.name, "world_size": plugin.world_size},
+    }
+    if module.hparams:
+        checkpoint[KEY_HPARAMS] = _plain_hparams(dict(module.hparams))
+    if not weights_only:
+        checkpoint[KEY_OPTIMIZER_STATES] = [plugin.named_optimizer_state(opt) for opt in plugin.optimizers]
+        checkpoint[KEY_LR_SCHEDULERS] = [
+            config.scheduler.state_dict() for config in plugin.lr_scheduler_configs
+        ]
+        checkpoint[KEY_LOOPS] = loops = loop_state(trainer)
+        checkpoint[KEY_CALLBACKS] = {}
+        for cb in trainer.callbacks:
+            state = cb.state_dict()
+            if state:
+                checkpoint[KEY_CALLBACKS][cb.state_key] = state
+        # Every rank's generators: ranks draw different dropout masks, and an exact resume at the
+        # same world size gives each rank back its own stream.
+        paused = trainer.progress.paused_rng
+        rng = paused if paused is not None else collect_rng_states()
+        per_rank = plugin.all_gather_object((rng, rank_loop_state(trainer)))
+        rngs = [entry[0] for entry in per_rank]
+        owns = [entry[1] for entry in per_rank]
+        # Rank 0's at the top: what a run at another world size takes.
+        loops.update(owns[0])
+        if len(owns) > 1 and any(owns):
+            loops[LOOP_PER_RANK] = owns
+        checkpoint[KEY_RNG] = rngs[0]
+        if len(rngs) > 1:
+            checkpoint[KEY_RNG_PER_RANK] = rngs
+        checkpoint[KEY_PRECISION] = plugin.precision.state_dict()
+        if trainer.datamodule is not None:
+            dm_state = trainer.datamodule.state_dict()
+            if dm_state:
+                checkpoint[KEY_DATAMODULE] = dm_state
+        with trainer.hook_runner.running("on_save_checkpoint"):
+            for cb in trainer.callbacks:
+                cb.on_save_checkpoint(trainer, module, checkpoint)
+    trainer.hook_runner.call_module("on_save_checkpoint", checkpoint)
+    return checkpoint

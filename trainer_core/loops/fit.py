@@ -1,0 +1,457 @@
+"""The fit loop: sanity check, epochs of training batches, validation inside fit, and the stop rules.
+
+``FitLoop`` is made by ``trainer.fit`` (``trainer.fit_loop``, as in Lightning) and runs in every
+process the plugin starts. The loop position lives in ``trainer.progress``; this module moves it
+and reads it, and ``trainer_core.checkpoint`` saves and restores it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Optional
+
+from trainer_core.checkpoint.rng import apply_rng_states, collect_rng_states
+from trainer_core.errors import MisconfigurationException
+from trainer_core.loops.data import batch_mover, num_batches, resolve_dataloaders, with_last_flag
+from trainer_core.loops.evaluation import run_loop
+from trainer_core.loops.schedulers import update_lr_schedulers
+from trainer_core.loops.training_step import TrainingStep
+from trainer_core.utilities import rank_zero_warn
+
+if TYPE_CHECKING:
+    from trainer_core.signals import PreemptionHandler
+    from trainer_core.trainer import Trainer
+
+_EXHAUSTED = object()
+
+
+class FitLoop:
+    """One ``fit`` call: its data sources, checkpoint to resume, and the loop over epochs."""
+
+    def __init__(self, trainer: Trainer, train_source: Any, val_source: Any, ckpt_path: Any) -> None:
+        self.trainer = trainer
+        self.train_source = train_source
+        self.val_source = val_source
+        self.ckpt_path = ckpt_path
+        # The validation loaders of this fit (empty: no validation).
+        self.val_loaders: list[Any] = []
+        # The pre-emption signal record while the loop runs in the main thread (trainer_core.signals).
+        self.preemption: Optional[PreemptionHandler] = None
+
+    def run(self) -> None:
+        t = self.trainer
+        module = t.lightning_module
+        assert module is not None
+        if self.ckpt_path is not None:
+            from trainer_core.checkpoint.restore import restore_checkpoint
+
+            restore_checkpoint(t, self.ckpt_path)
+        for lg in t.loggers:
+            if module._log_hyperparams and module.hparams:
+                lg.log_hyperparams(dict(module.hparams))
+        if t.enable_model_summary and t.is_global_zero and not t.fast_dev_run:
+            from trainer_core.summary import print_summary
+
+            print_summary(module)
+        runner = t.hook_runner
+        runner.call("on_fit_start")
+
+        sanity = (
+            t.num_sanity_val_steps != 0
+            and t.limit_val_batches != 0
+            and not t.progress.resume.mid_run
+            and t.plugin.defines_step("validation_step")
+        )
+        self.val_loaders = self._sanity_check() if sanity else self._setup_val()
+        self.setup_train_dataloader()
+
+        runner.call("on_train_start")
+        progress = t.progress
+        while not self._done():
+            self._train_epoch()
+            progress.current_epoch += 1
+            progress.resume.batch_idx = 0
+        # Stopped at an epoch's end: the generators stand where the next epoch would begin.
+        self._pause()
+        runner.call("on_train_end")
+        runner.call("on_fit_end")
+        for lg in t.loggers:
+            lg.finalize("success")
+
+    # ------------------------------------------------------------------ data
+    def setup_train_dataloader(self) -> None:
+        """The training loader and the batch counts that depend on it (once per fit)."""
+        t = self.trainer
+        if t.train_dataloader is not None:
+            return
+        (loader,) = resolve_dataloaders(t, "train", self.train_source)
+        resume = t.progress.resume
+        seed = resume.sampler_seed
+        if seed is not None and isinstance(getattr(getattr(loader, "sampler", None), "seed", None), int):
+            loader.sampler.seed = seed
+        t.train_dataloader = loader
+        if resume.samples_done is not None:
+            from trainer_core.checkpoint.restore import resume_batch_at_another_world_size
+
+            resume_batch_at_another_world_size(t, loader)
+        t.num_training_batches = num_batches(loader, t.limit_train_batches, "limit_train_batches")
+        if isinstance(t.val_check_interval, int):
+            t.val_check_batch = t.val_check_interval
+            if (
+                not math.isinf(t.num_training_batches)
+                and t.val_check_batch > t.num_training_batches
+                and t.check_val_every_n_epoch is not None
+            ):
+                raise MisconfigurationException(
+                    f"Trainer(val_check_interval={t.val_check_interval}) is more than the {t.num_training_batches} "
+                    "training batches of an epoch; lower it, or set check_val_every_n_epoch=None to count across epochs."
+                )
+        elif math.isinf(t.num_training_batches):
+            t.val_check_batch = float("inf")
+        else:
+            t.val_check_batch = max(1, int(t.num_training_batches * t.val_check_interval))
+
+    def _setup_val(self) -> list[Any]:
+        t = self.trainer
+        if t.limit_val_batches == 0:
+            t.val_dataloaders, t.num_val_batches = [], []
+            return []
+        loaders = resolve_dataloaders(t, "val", self.val_source)
+        loaders = [dl for dl in loaders if dl is not None]
+        if loaders and not t.plugin.defines_step("validation_step"):
+            rank_zero_warn(
+                "Validation data was given but the module has no `validation_step`; validation is skipped."
+            )
+            loaders = []
+        t.val_dataloaders = loaders[0] if len(loaders) == 1 else loaders
+        t.num_val_batches = [num_batches(dl, t.limit_val_batches, "limit_val_batches") for dl in loaders]
+        return loaders
+
+    def _sanity_check(self) -> list[Any]:
+        """A few validation batches before training, to fail fast; returns the validation loaders."""
+        t = self.trainer
+        # The check must not change the run: creating a loader's iterator draws from the global RNG.
+        rng = collect_rng_states()
+        t.sanity_checking = True
+        t.hook_runner.call_callbacks("on_sanity_check_start")
+        val_loaders = self._setup_val()
+        steps = t.num_sanity_val_steps
+        limits = [n if steps == -1 else min(n, steps) for n in t.num_val_batches]
+        if val_loaders:
+            run_loop(t, "validation", val_loaders, limits, log=False)
+        t.hook_runner.call_callbacks("on_sanity_check_end")
+        t.sanity_checking = False
+        apply_rng_states(rng)
+        # What the sanity check logged must not reach callbacks or loggers (Lightning's behaviour).
+        t.metrics.clear()
+        return val_loaders
+
+    # ------------------------------------------------------------------ stop rules
+    def _done(self) -> bool:
+        t = self.trainer
+        progress = t.progress
+        if t.max_steps != -1 and progress.global_step >= t.max_steps:
+            return True
+        if t.max_epochs != -1 and progress.current_epoch >= t.max_epochs:
+            return True
+        if t.num_training_batches == 0:
+            rank_zero_warn("The training dataloader is empty (or limit_train_batches=0): nothing to train.")
+            return True
+        if t.should_stop:
+            if self._can_stop():
+                return True
+            t.should_stop = False
+        return False
+
+    def _can_stop(self) -> bool:
+        """``should_stop`` takes effect only once ``min_epochs`` and ``min_steps`` are met.
+
+        ``current_epoch`` counts the epochs finished (inside an epoch, those before it), as Lightning's
+        ``epoch_progress.current.processed`` does: the epoch that reaches ``min_epochs`` runs to its end.
+        """
+        t = self.trainer
+        if t.min_epochs is not None and t.progress.current_epoch < t.min_epochs:
+            return False
+        return not (t.min_steps is not None and t.progress.global_step < t.min_steps)
+
+    def _validation_due(self, batch_idx: int, is_last: bool) -> bool:
+        """Whether the validation schedule (``val_check_interval``, ``check_val_every_n_epoch``) falls on this batch."""
+        t = self.trainer
+        if not self.val_loaders or not self._validates_this_epoch():
+            return False
+        if math.isinf(t.val_check_batch):
+            return is_last
+        current = t.progress.total_batch_idx - 1 if t.check_val_every_n_epoch is None else batch_idx
+        return (current + 1) % t.val_check_batch == 0
+
+    def _validates_this_epoch(self) -> bool:
+        every = self.trainer.check_val_every_n_epoch
+        return every is None or (self.trainer.progress.current_epoch + 1) % every == 0
+
+    def _pause(self) -> None:
+        """The loop stops training here: keep the generators as they stand for a checkpoint written from now on.
+
+        What runs after the last batch only because the run ends (a validation the schedule did not
+        call for, the hooks of an epoch cut short, ``on_train_end``) must not leak into the position a
+        resumed run continues from; the run that never stopped went straight on to the next batch.
+        """
+        progress = self.trainer.progress
+        if progress.paused_rng is None:
+            progress.paused_rng = collect_rng_states()
+
+    # ------------------------------------------------------------------ one epoch
+    def _train_epoch(self) -> None:
+        """One training epoch: batches, validation checks, then the epoch-end hooks."""
+        t = self.trainer
+        module = t.lightning_module
+        assert module is not None
+        runner = t.hook_runner
+        hooks = runner.batch
+        assert hooks is not None
+        progress = t.progress
+        val_loaders = self.val_loaders
+        results = t.metrics.train_results
+        results.reset()
+        t.metrics.results = results
+        loader = t.train_dataloader
+        sampler = getattr(loader, "sampler", None)
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(progress.current_epoch)
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        if (
+            callable(getattr(getattr(batch_sampler, "sampler", None), "set_epoch", None))
+            and batch_sampler.sampler is not sampler
+        ):
+            batch_sampler.sampler.set_epoch(progress.current_epoch)
+
+        module.train()
+        runner.call("on_train_epoch_start")
+
+        n = t.num_training_batches
+        start = progress.resume.batch_idx
+        step = TrainingStep(t).run
+        move = batch_mover(t)
+        batch_start = hooks.on_train_batch_start
+        batch_end = hooks.on_train_batch_end
+        log_every = t.log_every_n_steps
+        acc = t.accumulate_grad_batches
+        automatic = module.automatic_optimization
+        val_enabled = bool(val_loaders)
+        # Pre-emption signals (trainer_core.signals): one attribute test per step on one process;
+        # several ranks must agree on the step to stop at, which they do about once a second.
+        preemption = self.preemption
+        several_ranks = preemption is not None and t.world_size > 1
+        # A plugin that cannot save the gradients of an unfinished accumulation cycle stops at the
+        # cycle's end instead (at most accumulate_grad_batches - 1 batches later), so that the
+        # pre-emption checkpoint still resumes exactly.
+        stop_at_steps = (
+            several_ranks and automatic and acc > 1 and bool(t.plugin.mid_accumulation_gradients_unsaved)
+        )
+        agreed_signal: Optional[int] = None
+
+        iterator = self._start_epoch_iterator(loader, start)
+        if (
+            start
+            and val_enabled
+            and not progress.validated_batch
+            and self._validation_due(start - 1, start >= n)
+        ):
+            # The checkpoint was written in the last batch's ``on_train_batch_end``, before the
+            # validation that batch was due: run it now, as the saved run did next.
+            progress.batch_idx = start - 1
+            progress.is_last_batch = start >= n
+            self._validate()
+        finite = not math.isinf(n)
+        pairs = with_last_flag(iterator) if not finite else None
+        batch_idx = start
+        # Whether the loop leaves the epoch before its last batch (max_steps, should_stop): the epoch is
+        # not over, and a checkpoint written from here on continues it at the next batch.
+        cut = False
+        while batch_idx < n:
+            if finite:
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    break
+                is_last = batch_idx + 1 >= n
+            else:
+                try:
+                    batch, is_last = next(pairs)  # type: ignore[arg-type]
+                except StopIteration:
+                    break
+            if move is not None:
+                batch = move(batch, 0)
+            results.new_batch(batch)
+            progress.batch_idx = batch_idx
+            progress.is_last_batch = is_last
+            if batch_start and runner.run("on_train_batch_start", batch_start, batch, batch_idx) == -1:
+                break
+            outputs = step(batch, batch_idx, is_last)
+            # Counters move before ``on_train_batch_end`` so that a checkpoint written there
+            # describes the batch as done.
+            progress.batches_done_in_epoch = batch_idx + 1
+            progress.validated_batch = False
+            progress.total_batch_idx += 1
+            stepped = not automatic or acc == 1 or (batch_idx + 1) % acc == 0 or is_last
+            if stepped:
+                progress.batches_that_stepped += 1
+            if batch_end:
+                runner.run("on_train_batch_end", batch_end, outputs, batch, batch_idx)
+            if stepped and (progress.batches_that_stepped % log_every == 0 or t.should_stop):
+                t.metrics.log_train_step()
+            if val_enabled:
+                if self._validation_due(batch_idx, is_last):
+                    self._validate()
+                elif t.should_stop and self._can_stop() and self._validates_this_epoch():
+                    # Lightning validates once more when a run stops early; the run that goes on would not.
+                    self._pause()
+                    self._validate(step_plateau=False)
+            batch_idx += 1
+            if (t.max_steps != -1 and progress.global_step >= t.max_steps) or (
+                t.should_stop and self._can_stop()
+            ):
+                cut = not is_last
+                if cut:
+                    self._pause()
+                break
+            if preemption is not None and (several_ranks or preemption.received is not None):
+                if agreed_signal is None:
+                    agreed_signal = preemption.agreed(t)
+                if agreed_signal is not None and (stepped or not stop_at_steps):
+                    preemption.save_and_stop(t, agreed_signal)
+        self._end_train_epoch(cut)
+
+    def _start_epoch_iterator(self, loader: Any, start: int) -> Iterator[Any]:
+        """The epoch's batch iterator; after a restore, positioned exactly where the saved run stood.
+
+        The sampler draws its order from the global RNG when the iterator is created, so a run
+        resumed mid-epoch puts back the RNG of that moment, recreates the iterator, skips the batches
+        already trained on (or lets a stateful loader seek), then puts back the RNG of the save.
+        """
+        t = self.trainer
+        progress = t.progress
+        resume = progress.resume
+        progress.epoch_finished = False
+        progress.plateau_stepped = False
+        progress.batches_done_in_epoch = start
+        followed_an_epoch = progress.loop_epoch is not None
+        progress.loop_epoch = progress.current_epoch
+        resume_rng = progress.paused_rng
+        progress.paused_rng = None
+        stateful = callable(getattr(loader, "load_state_dict", None)) and callable(
+            getattr(loader, "state_dict", None)
+        )
+        if resume_rng is None:
+            progress.epoch_start_rng = collect_rng_states()
+            if stateful and followed_an_epoch:
+                # A stateful loader carries more than its position (its sampler's own generator), and
+                # one that loaded a state draws from the global RNG unlike one that did not. A resumed
+                # run loads the saved state at an epoch's start, so the run that never stopped does
+                # the same with its own: both then draw alike.
+                loader.load_state_dict(loader.state_dict())
+            return iter(loader)
+        loader_state = resume.dataloader_state
+        resume.dataloader_state = None
+        stateful = stateful and loader_state is not None
+        if not start:
+            apply_rng_states(resume_rng)
+            progress.epoch_start_rng = collect_rng_states()
+            if stateful:
+                loader.load_state_dict(loader_state)
+            return iter(loader)
+        if resume.epoch_rng is not None:
+            apply_rng_states(resume.epoch_rng)
+        progress.epoch_start_rng = resume.epoch_rng
+        if stateful:
+            loader.load_state_dict(loader_state)
+            iterator = iter(loader)
+        else:
+            iterator = iter(loader)
+            for _ in range(start):
+                if next(iterator, _EXHAUSTED) is _EXHAUSTED:
+                    break
+        apply_rng_states(resume_rng)
+        grads = resume.grads
+        if grads:
+            _put_back_gradients(t, grads)
+        resume.grads = None
+        return iterator
+
+    def _validate(self, step_plateau: bool = True) -> None:
+        t = self.trainer
+        progress = t.progress
+        # Marked first: a checkpoint written by a validation hook must not repeat it on resume.
+        progress.validated_batch = True
+        module = t.lightning_module
+        acc = t.accumulate_grad_batches
+        at_boundary = acc == 1 or (progress.batch_idx + 1) % acc == 0 or progress.is_last_batch
+        if at_boundary or not module.automatic_optimization:
+            # Gradients are not needed until the next step: release their memory for validation.
+            t.hook_runner.call_module("on_validation_model_zero_grad")
+        run_loop(
+            t,
+            "validation",
+            self.val_loaders,
+            t.num_val_batches,
+            log=True,
+            step=max(0, progress.batches_that_stepped - 1),
+        )
+        t.metrics.results = t.metrics.train_results
+        if step_plateau and module.automatic_optimization and at_boundary:
+            update_lr_schedulers(t, "step", plateau=True)
+
+    def _end_train_epoch(self, cut: bool = False) -> None:
+        """Lightning's epoch end: callbacks, the module, then callbacks that monitor metrics.
+
+        An epoch ``cut`` short (the run stopped before its last batch) runs the same hooks, but stays
+        unfinished in checkpoints and does not step ReduceLROnPlateau, just as the other epoch-interval
+        schedulers step only after an epoch's last batch: the run that goes on steps them there.
+        """
+        t = self.trainer
+        progress = t.progress
+        metrics = t.metrics
+        runner = t.hook_runner
+        module = t.lightning_module
+        progress.epoch_finished = not cut
+        results = metrics.train_results
+        metrics.results = results
+        metrics.take_step_values()
+        metrics.publish_epoch(results, log=False)
+        monitoring = [cb for cb in t.callbacks if getattr(cb, "_monitors_metrics", False)]
+        runner.current_fx = "on_train_epoch_end"
+        for cb in t.callbacks:
+            if cb not in monitoring:
+                cb.on_train_epoch_end(t, module)
+        runner.call_module("on_train_epoch_end")
+        metrics.publish_epoch(results, log=False)
+        runner.current_fx = "on_train_epoch_end"
+        for cb in monitoring:
+            cb.on_train_epoch_end(t, module)
+        if module.automatic_optimization and not cut:
+            update_lr_schedulers(t, "epoch", plateau=True)
+        progress.plateau_stepped = True
+        _, logged, _ = results.epoch_metrics()
+        if logged:
+            metrics.log(logged, max(0, progress.batches_that_stepped - 1))
+        for lg in t.loggers:
+            lg.save()
+
+
+def _put_back_gradients(trainer: Trainer, grads: dict[str, Any]) -> None:
+    """The gradients of the saved run's unfinished accumulation cycle, by parameter name."""
+    for name, param in trainer.lightning_module.named_parameters():
+        if name in grads:
+            grad = grads[name].to(param.device)
+            if hasattr(param, "device_mesh"):  # a DTensor shard (FSDP): the gradient is this rank's shard
+                from torch.distributed.tensor import DTensor
+
+                grad = DTensor.from_local(
+                    grad,
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+            param.grad = grad
