@@ -26,11 +26,11 @@ test: $(VENV)/.installed-test
 # plugin-equivalence matrices (FULL_MATRIX=1).
 stress: $(VENV)/.installed-test
 	KILL_TRIALS=50 LOAD_STEPS=10000 RELIABILITY_REPORT=bench_results/reliability \
-		$(PY) -m pytest -s -p no:cacheprovider tests/test_kill_during_save.py tests/test_reliability_load.py $(PYTEST_ARGS)
-	FULL_MATRIX=1 $(PY) -m pytest -p no:cacheprovider tests/test_resume_matrix.py tests/test_plugin_equivalence.py $(PYTEST_ARGS)
+		$(PY) -m pytest -s -p no:cacheprovider tests/reliability/test_kill_during_save.py tests/reliability/test_load.py $(PYTEST_ARGS)
+	FULL_MATRIX=1 $(PY) -m pytest -p no:cacheprovider tests/checkpoint/test_resume_matrix.py tests/plugins/test_equivalence.py $(PYTEST_ARGS)
 
 # Every benchmark, each side by side with its baselines; BENCH_ARGS=--quick for a short run.
-BENCHMARKS ?= overhead checkpoint ddp consolidate fsdp_checkpoint optimizer_in_backward pipeline
+BENCHMARKS ?= import_cost overhead checkpoint ddp consolidate fsdp_checkpoint optimizer_in_backward pipeline
 bench: $(VENV)/.installed-bench
 	set -e; for b in $(BENCHMARKS); do $(PY) benchmarks/$$b.py $(BENCH_ARGS); done
 
