@@ -49,9 +49,6 @@ class EarlyStopping(Callback):
         log_rank_zero_only: with ``verbose``, log from rank 0 only.
     """
 
-    # Runs after the module's ``on_train_epoch_end`` so it sees what that hook logged.
-    _monitors_metrics = True
-
     def __init__(
         self,
         monitor: str,

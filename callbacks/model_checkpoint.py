@@ -68,8 +68,6 @@ class ModelCheckpoint(Callback):
 
     CHECKPOINT_NAME_LAST = CHECKPOINT_NAME_LAST
     FILE_EXTENSION = CHECKPOINT_EXT
-    # Runs after the module's ``on_train_epoch_end`` so it sees what that hook logged.
-    _monitors_metrics = True
 
     def __init__(
         self,

@@ -19,6 +19,7 @@ from lightning_utilities.core.overrides import is_overridden
 from torch import nn
 from torch.optim import Optimizer
 
+from trainer_core.checkpoint.format import KEY_OPTIMIZER_STATES, KEY_STATE_DICT
 from trainer_core.errors import MisconfigurationException
 from trainer_core.module import LightningModule
 from trainer_core.plugins.ddp import DDPPlugin
@@ -224,7 +225,7 @@ class FSDPPlugin(DDPPlugin):
 
         options = self._options(full=False)
         template: dict[str, Any] = {
-            "state_dict": get_model_state_dict(self._lightning_module, options=options)
+            KEY_STATE_DICT: get_model_state_dict(self._lightning_module, options=options)
         }
         io = self.checkpoint_io.unwrapped
         if not isinstance(io, DistributedCheckpointIO):
@@ -235,10 +236,10 @@ class FSDPPlugin(DDPPlugin):
             for index, opt in enumerate(self.optimizers):
                 # torch's helper creates the state tensors for DCP to fill; an optimizer saved before
                 # its first step has none to fill, and must not be stepped to make them.
-                saved_state = any(key.startswith(f"optimizer_states.{index}.state.") for key in stored)
+                saved_state = any(key.startswith(f"{KEY_OPTIMIZER_STATES}.{index}.state.") for key in stored)
                 with contextlib.nullcontext() if saved_state else _no_state_initialisation(opt):
                     states.append(get_optimizer_state_dict(self._lightning_module, opt, options=options))
-            template["optimizer_states"] = states
+            template[KEY_OPTIMIZER_STATES] = states
         return io.load_into(filepath, template)
 
     def save_checkpoint(

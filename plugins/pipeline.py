@@ -49,6 +49,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from trainer_core.checkpoint.format import KEY_OPTIMIZER_STATES, KEY_STATE_DICT
 from trainer_core.containers import LRSchedulersContainer, OptimizersContainer
 from trainer_core.errors import CheckpointError, MisconfigurationException
 from trainer_core.optim import parse_optimizers
@@ -634,7 +635,7 @@ class PipelinePlugin(DDPPlugin):
 
         module = self._lightning_module
         assert module is not None
-        template: dict[str, Any] = {"state_dict": self._local_state_dict()}
+        template: dict[str, Any] = {KEY_STATE_DICT: self._local_state_dict()}
         if self.optimizers:
             options = StateDictOptions(full_state_dict=False)
             state: dict[str, Any] = {}
@@ -643,7 +644,7 @@ class PipelinePlugin(DDPPlugin):
                 state.update(get_optimizer_state_dict(part, opt, options=options)["state"])
             # The groups' layout (DCP stores each entry under its own key); the values come from the file.
             groups = self.named_optimizer_state(self.optimizers[0]).get("param_groups", [])
-            template["optimizer_states"] = [{"state": state, "param_groups": groups}]
+            template[KEY_OPTIMIZER_STATES] = [{"state": state, "param_groups": groups}]
         io = self.checkpoint_io.unwrapped
         if not isinstance(io, DistributedCheckpointIO):
             io = DistributedCheckpointIO()
@@ -655,7 +656,7 @@ class PipelinePlugin(DDPPlugin):
             for k, v in module.state_dict().items()
             if not self._is_held(k)
         }
-        checkpoint["state_dict"] = {**others, **checkpoint["state_dict"]}
+        checkpoint[KEY_STATE_DICT] = {**others, **checkpoint[KEY_STATE_DICT]}
         return checkpoint
 
 

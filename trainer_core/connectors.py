@@ -9,6 +9,7 @@ import torch
 from lightning_utilities.core.overrides import is_overridden
 
 from trainer_core.callbacks.base import Callback
+from trainer_core.callbacks.early_stopping import EarlyStopping
 from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
 from trainer_core.callbacks.progress import ProgressBar, TQDMProgressBar
 from trainer_core.errors import MisconfigurationException
@@ -198,6 +199,12 @@ def callback_overrides(callback: Callback, name: str) -> bool:
 
 def checkpoint_callbacks(callbacks: list[Callback]) -> list[ModelCheckpoint]:
     return [cb for cb in callbacks if isinstance(cb, ModelCheckpoint)]
+
+
+def monitoring_callbacks(callbacks: list[Callback]) -> list[Callback]:
+    """Callbacks that act on logged metrics (Lightning's rule: early stopping and checkpointing), which run
+    after the module's ``on_train_epoch_end`` so that they see what it logged."""
+    return [cb for cb in callbacks if isinstance(cb, (EarlyStopping, ModelCheckpoint))]
 
 
 def progress_bar_callback(callbacks: list[Callback]) -> Optional[ProgressBar]:

@@ -32,6 +32,8 @@ from trainer_core.checkpoint.format import (
     KEY_PLUGIN,
     KEY_STATE_DICT,
     KEY_VERSION,
+    PLUGIN_NAME,
+    PLUGIN_WORLD_SIZE,
     RESUME_KEYS,
 )
 from trainer_core.errors import CheckpointError
@@ -103,7 +105,7 @@ def _load(path: PathLike, storage_options: dict[str, Any]) -> tuple[dict[str, An
 def summarize(checkpoint: Mapping[str, Any], path: str, shard_files: Optional[int] = None) -> dict[str, Any]:
     """What ``inspect`` reports about ``checkpoint``, as plain JSON-able values."""
     plugin = checkpoint.get(KEY_PLUGIN)
-    plugin = dict(plugin) if isinstance(plugin, Mapping) else {"name": None, "world_size": None}
+    plugin = dict(plugin) if isinstance(plugin, Mapping) else {}
     optimizer_states = checkpoint.get(KEY_OPTIMIZER_STATES) or []
     model_tensors, model_bytes = _tensor_stats(checkpoint.get(KEY_STATE_DICT, {}))
     optim_tensors, optim_bytes = _tensor_stats(optimizer_states)
@@ -114,7 +116,7 @@ def summarize(checkpoint: Mapping[str, Any], path: str, shard_files: Optional[in
         "trainer_core_version": checkpoint.get(KEY_VERSION),
         "epoch": checkpoint.get(KEY_EPOCH),
         "global_step": checkpoint.get(KEY_GLOBAL_STEP),
-        "plugin": {"name": plugin.get("name"), "world_size": plugin.get("world_size")},
+        "plugin": {"name": plugin.get(PLUGIN_NAME), "world_size": plugin.get(PLUGIN_WORLD_SIZE)},
         "sharded": shard_files is not None,
         "shard_files": shard_files,
         "resumable": all(key in checkpoint for key in RESUME_KEYS),

@@ -36,7 +36,9 @@ KEY_CALLBACKS = "callbacks"
 KEY_RNG = "rng_states"
 KEY_HPARAMS = "hyper_parameters"
 KEY_PRECISION = "precision"
-KEY_PLUGIN = "plugin"  # {"name": ..., "world_size": ...} of the run that wrote it
+KEY_PLUGIN = "plugin"  # {PLUGIN_NAME: ..., PLUGIN_WORLD_SIZE: ...} of the run that wrote it
+PLUGIN_NAME = "name"
+PLUGIN_WORLD_SIZE = "world_size"
 KEY_DATAMODULE = "datamodule"
 KEY_RNG_PER_RANK = "rng_states_per_rank"  # every rank's generators (rank 0's are also under KEY_RNG)
 

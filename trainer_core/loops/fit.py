@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
 from trainer_core.checkpoint.rng import apply_rng_states, collect_rng_states
+from trainer_core.connectors import monitoring_callbacks
 from trainer_core.errors import MisconfigurationException
 from trainer_core.loops.data import batch_mover, num_batches, resolve_dataloaders, with_last_flag
 from trainer_core.loops.evaluation import run_loop
@@ -418,7 +419,7 @@ class FitLoop:
         metrics.results = results
         metrics.take_step_values()
         metrics.publish_epoch(results, log=False)
-        monitoring = [cb for cb in t.callbacks if getattr(cb, "_monitors_metrics", False)]
+        monitoring = monitoring_callbacks(t.callbacks)
         runner.current_fx = "on_train_epoch_end"
         for cb in t.callbacks:
             if cb not in monitoring:
