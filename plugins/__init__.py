@@ -26,6 +26,9 @@ __all__ = [
     "DistributedCheckpointIO",
     "FSDPPlugin",
     "LocalEnvironment",
+    "ModelParallelPlugin",
+    "ParallelDims",
+    "ParallelPlugin",
     "PipelinePlugin",
     "SLURMEnvironment",
     "SingleDevicePlugin",
@@ -46,6 +49,9 @@ _LAZY = {
     "FSDPPlugin": "fsdp",
     "ZeroPlugin": "zero",
     "PipelinePlugin": "pipeline",
+    "ModelParallelPlugin": "model_parallel",
+    "ParallelPlugin": "parallel",
+    "ParallelDims": "parallel_dims",
     "DistributedCheckpointIO": "io",
 }
 

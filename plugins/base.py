@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from trainer_core.module import LightningModule
     from trainer_core.optimizer_in_backward import OptimizerInBackward
     from trainer_core.plugins.io import CheckpointIO
+    from trainer_core.plugins.parallel_dims import ParallelDims
     from trainer_core.trainer import Trainer
 
 
@@ -100,6 +101,27 @@ class TrainingTypePlugin:
         raise NotImplementedError(f"{type(self).__name__} must define `root_device`.")
 
     @property
+    def parallel_dims(self) -> Optional[ParallelDims]:
+        """How the ranks split into pipeline, data-parallel and tensor-parallel groups; ``None``: one process."""
+        return None
+
+    def layout(self) -> dict[str, int]:
+        """The degrees of the layout, as checkpoints record them (``{"data_parallel": 2, ...}``)."""
+        dims = self.parallel_dims
+        if dims is None:
+            return {"pipeline_parallel": 1, "data_parallel": 1, "tensor_parallel": 1}
+        return {"pipeline_parallel": dims.pp, "data_parallel": dims.dp, "tensor_parallel": dims.tp}
+
+    @property
+    def metrics_group(self) -> Optional[Any]:
+        """The process group ``self.log(..., sync_dist=True)`` reduces over; ``None``: every process.
+
+        Plugins whose ranks share batches (tensor parallelism) name the group of ranks that see
+        different data, so that a logged sum counts each sample once.
+        """
+        return None
+
+    @property
     def distributed_sampler_kwargs(self) -> Optional[dict[str, Any]]:
         """``num_replicas``/``rank`` for a ``DistributedSampler``, or ``None`` when data is not split."""
         return None
@@ -163,6 +185,10 @@ class TrainingTypePlugin:
         if trainer.training:
             self.setup_optimizers(trainer)
         self.model = self.wrap_model(module)
+
+    def configuring_model(self) -> contextlib.AbstractContextManager:
+        """Around the module's ``configure_model``: plugins check there what the module set up; a no-op here."""
+        return contextlib.nullcontext()
 
     def wrap_model(self, module: nn.Module) -> nn.Module:
         """The module the steps run through; distributed plugins return their wrapper."""

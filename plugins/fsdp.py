@@ -22,7 +22,8 @@ from torch.optim import Optimizer
 from trainer_core.checkpoint.format import KEY_OPTIMIZER_STATES, KEY_STATE_DICT
 from trainer_core.errors import MisconfigurationException
 from trainer_core.module import LightningModule
-from trainer_core.plugins.ddp import DDPPlugin
+from trainer_core.plugins.parallel import ParallelPlugin
+from trainer_core.plugins.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -34,13 +35,13 @@ _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step"
 STATE_DICT_TYPES = ("full", "sharded")
 
 
-class FSDPPlugin(DDPPlugin):
+class FSDPPlugin(ParallelPlugin):
     """Shard the model with ``fully_shard``: per block of ``auto_wrap_policy`` classes, then the root.
 
     ``hybrid_shard=(replicas, shards)`` builds a 2-D mesh (HSDP): parameters are sharded within a
     group of ``shards`` ranks and replicated across ``replicas`` groups. A module may instead call
     ``fully_shard`` itself in ``configure_model`` (with ``self.trainer.strategy.device_mesh``);
-    the plugin then shards only the root. Other keyword arguments are ``DDPPlugin``'s own
+    the plugin then shards only the root. Other keyword arguments are ``ParallelPlugin``'s own
     (``start_method``, ``timeout``, ``checkpoint_io``, ...); nothing is passed to a wrapper.
     """
 
@@ -74,25 +75,17 @@ class FSDPPlugin(DDPPlugin):
         self.cpu_offload = cpu_offload
         self.state_dict_type = state_dict_type
         self.hybrid_shard = hybrid_shard
-        self._device_mesh: Optional[DeviceMesh] = None
+        self._dims: Optional[ParallelDims] = None
         if state_dict_type == "sharded" and self._checkpoint_io is None:
             from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
 
             self._checkpoint_io = DistributedCheckpointIO()
 
-    @classmethod
-    def _wrapper_arguments(cls) -> tuple[str, list[str]]:
-        # fully_shard takes no free-form arguments: its options are this plugin's own.
-        return "", []
-
     # ------------------------------------------------------------------ mesh and sharding
     @property
-    def device_mesh(self) -> DeviceMesh:
-        """The data-parallel mesh: 1-D (shard), or 2-D ``("replicate", "shard")`` under HSDP."""
-        if self._device_mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            device = self.root_device.type
+    def parallel_dims(self) -> ParallelDims:
+        """The layout: ``world_size`` shards, or ``hybrid_shard=(replicas, shards)``."""
+        if self._dims is None or self._dims.world_size != self.world_size:
             if self.hybrid_shard is not None:
                 replicas, shards = self.hybrid_shard
                 if replicas * shards != self.world_size:
@@ -100,12 +93,36 @@ class FSDPPlugin(DDPPlugin):
                         f"FSDPPlugin(hybrid_shard={self.hybrid_shard}) needs {replicas * shards} processes, but the "
                         f"run has {self.world_size}; make replicas x shards equal devices x num_nodes."
                     )
-                self._device_mesh = init_device_mesh(
-                    device, (replicas, shards), mesh_dim_names=("replicate", "shard")
+                self._dims = ParallelDims(
+                    self.world_size, dp_replicate=replicas, dp_shard=shards, owner="FSDPPlugin"
                 )
             else:
-                self._device_mesh = init_device_mesh(device, (self.world_size,), mesh_dim_names=("shard",))
-        return self._device_mesh
+                self._dims = ParallelDims(self.world_size, owner="FSDPPlugin")
+        return self._dims
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh ``fully_shard`` shards over: 1-D ``("data_parallel",)``, or 2-D under hybrid sharding.
+
+        Under hybrid sharding its dimensions are ``("data_parallel_replicate", "data_parallel_shard")``.
+        """
+        dims = self.parallel_dims
+        dims.build_mesh(self.root_device.type)
+        return dims.sharding_mesh()
+
+    def teardown(self) -> None:
+        super().teardown()
+        if self._lightning_module is not None:
+            self._lightning_module._device_mesh = None
+
+    def _sharding_mesh(self) -> DeviceMesh:
+        return self.device_mesh
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # Built by every rank together (a collective), before the module's configure_model may use it.
+        if self._lightning_module is not None:
+            self._lightning_module._device_mesh = self.device_mesh
 
     def setup(self, trainer: Trainer) -> None:
         # FSDP2 turns parameters into DTensor shards, so the optimizers are built after sharding.
@@ -125,7 +142,7 @@ class FSDPPlugin(DDPPlugin):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
         return {
-            "mesh": self.device_mesh,
+            "mesh": self._sharding_mesh(),
             "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": self.mixed_precision or MixedPrecisionPolicy(),
             # Pinned host memory needs an accelerator; on a CPU-only machine offload keeps plain memory.

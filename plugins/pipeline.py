@@ -26,8 +26,11 @@ moved to the meta device (no memory), so checkpoints use the original fully-qual
 (``layers.3.weight``) whichever rank holds them: a checkpoint written at one pipeline degree loads
 at another, or under any other plugin.
 
-Ranks are laid out as a ``(pp, dp)`` mesh: global rank = ``pp_rank * dp + dp_rank``. Replicas of a
-stage average their gradients after the schedule's backward, before the optimizers step.
+Ranks are laid out as a ``(pp, dp, tp)`` mesh (``ParallelDims``): global rank = ``(pp_rank * dp +
+dp_rank) * tp + tp_rank``. Replicas of a stage average their gradients after the schedule's backward,
+before the optimizers step. ``PipelinePlugin`` itself has ``tp = 1``; ``ModelParallelPlugin`` with
+``pipeline_parallel_size > 1`` (``PipelineModelParallelPlugin`` below) makes every stage
+tensor-parallel inside, with the module's own plan from ``configure_model``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import inspect
 import re
 import traceback
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -53,7 +57,14 @@ from trainer_core.checkpoint.format import KEY_OPTIMIZER_STATES, KEY_STATE_DICT
 from trainer_core.containers import LRSchedulersContainer, OptimizersContainer
 from trainer_core.errors import CheckpointError, MisconfigurationException
 from trainer_core.optim import parse_optimizers
-from trainer_core.plugins.ddp import DDPPlugin, is_random_sampler, with_distributed_sampler
+from trainer_core.plugins.parallel import (
+    DEFAULT_TIMEOUT,
+    ParallelPlugin,
+    clip_grads_by_total_norm,
+    is_random_sampler,
+    with_distributed_sampler,
+)
+from trainer_core.plugins.parallel_dims import DATA, PIPELINE, ParallelDims
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
@@ -69,7 +80,7 @@ _MULTI_STAGE_SCHEDULES = ("Interleaved1F1B",)
 _MAX_LISTED = 30
 
 
-class PipelinePlugin(DDPPlugin):
+class PipelinePlugin(ParallelPlugin):
     """Split the module at ``split_points`` and run it as a pipeline of ``world_size / data_parallel_size`` ranks.
 
     The stages come from tracing ``forward`` (see the module docstring); a module whose class sets
@@ -80,7 +91,7 @@ class PipelinePlugin(DDPPlugin):
         schedule: ``"GPipe"``, ``"1F1B"`` (one stage per rank) or ``"Interleaved1F1B"`` (several).
         n_microbatches: micro-batches each batch is cut into (default: the number of stages).
         data_parallel_size: replicas of the whole pipeline; their gradients are averaged.
-        kwargs: ``DDPPlugin``'s own (``start_method``, ``timeout``, ``checkpoint_io``, ...); nothing is
+        kwargs: ``ParallelPlugin``'s own (``start_method``, ``timeout``, ``checkpoint_io``, ...); nothing is
             passed to a wrapper.
     """
 
@@ -125,6 +136,8 @@ class PipelinePlugin(DDPPlugin):
         self._schedule: Any = None
         self._held_prefixes: list[str] = []
         self._traced: Optional[_TracedSplit] = None
+        self._tp = 1
+        self._dims: Optional[ParallelDims] = None
         self._pp_group: Any = None
         self._dp_group: Any = None
         self._sync_grads = True
@@ -140,15 +153,38 @@ class PipelinePlugin(DDPPlugin):
     # ------------------------------------------------------------------ layout
     @property
     def pp_degree(self) -> int:
-        return self.world_size // self.data_parallel_size
+        return self.world_size // (self.data_parallel_size * self._tp)
 
     @property
     def pp_rank(self) -> int:
-        return self.global_rank // self.data_parallel_size
+        return self.global_rank // (self.data_parallel_size * self._tp)
 
     @property
     def dp_rank(self) -> int:
-        return self.global_rank % self.data_parallel_size
+        return (self.global_rank // self._tp) % self.data_parallel_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.global_rank % self._tp
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The layout: ``pp_degree`` stages x ``data_parallel_size`` replicas x tensor-parallel ranks."""
+        if self._dims is None or self._dims.world_size != self.world_size:
+            self._check_layout()
+            self._dims = ParallelDims(
+                self.world_size,
+                tp=self._tp,
+                pp=self.pp_degree,
+                dp_shard=self.data_parallel_size,
+                owner=type(self).__name__,
+            )
+        return self._dims
+
+    @property
+    def device_mesh(self) -> Any:
+        """The mesh ``("pipeline_parallel", "data_parallel", "tensor_parallel")`` (a collective when first built)."""
+        return self.parallel_dims.build_mesh(self.root_device.type)
 
     @property
     def num_stages(self) -> int:
@@ -174,12 +210,14 @@ class PipelinePlugin(DDPPlugin):
 
     def _check_layout(self) -> None:
         world, dp = self.world_size, self.data_parallel_size
-        if world % dp:
+        if world % (dp * self._tp):
             raise MisconfigurationException(
-                f"PipelinePlugin(data_parallel_size={dp}) does not divide the {world} processes of the run; make "
-                "devices x num_nodes a multiple of it."
+                f"{type(self).__name__}(data_parallel_size={dp}"
+                + (f", tensor_parallel_size={self._tp}" if self._tp > 1 else "")
+                + f") does not divide the {world} processes of the run; make devices x num_nodes a multiple of "
+                f"{dp * self._tp}."
             )
-        pp, stages = world // dp, self._num_stages
+        pp, stages = world // (dp * self._tp), self._num_stages
         if self.schedule_name in _MULTI_STAGE_SCHEDULES:
             if stages % pp:
                 raise MisconfigurationException(
@@ -219,6 +257,7 @@ class PipelinePlugin(DDPPlugin):
                 "backward cannot; use '32-true' or 'bf16-mixed' with PipelinePlugin."
             )
         self._check_layout()
+        self._check_tensor_parallel(module)
         self.precision.convert_module(module)
         if declares_manual_split(module):
             self._setup_manual_parts(module)
@@ -230,6 +269,9 @@ class PipelinePlugin(DDPPlugin):
             self.setup_optimizers(trainer)
         self._build_schedule()
         self.model = module
+
+    def _check_tensor_parallel(self, module: LightningModule) -> None:
+        """Tensor parallelism inside the stages; ``PipelinePlugin`` itself has none."""
 
     def _setup_manual_parts(self, module: LightningModule) -> None:
         """Stages the module declared: each part is the module with the other stages' layers ``nn.Identity``."""
@@ -265,20 +307,24 @@ class PipelinePlugin(DDPPlugin):
         _materialise_tensors(module, held, device)
         self._parts = [traced.part(module, sid).to(device) for sid in self._stage_ids]
 
-    def _build_groups(self) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # A collective: every rank builds the mesh here, before the module's configure_model may use it.
+        self._build_groups()
+        if self._lightning_module is not None and self.world_size > 1:
+            self._lightning_module._device_mesh = self.device_mesh
 
+    def _build_groups(self) -> None:
         if self._pp_group is not None:
             return  # a later fit/validate/test in the same processes keeps the groups
         if self.world_size == 1:
             self._pp_group = dist.group.WORLD
             self._dp_group = None
             return
-        mesh = init_device_mesh(
-            self.root_device.type, (self.pp_degree, self.data_parallel_size), mesh_dim_names=("pp", "dp")
-        )
-        self._pp_group = mesh["pp"].get_group()
-        self._dp_group = mesh["dp"].get_group() if self.data_parallel_size > 1 else None
+        dims = self.parallel_dims
+        mesh = self.device_mesh
+        self._pp_group = mesh[PIPELINE].get_group()
+        self._dp_group = dims.submesh(DATA).get_group() if dims.dp > 1 else None
 
     def _build_schedule(self) -> None:
         from torch.distributed.pipelining import (
@@ -450,10 +496,11 @@ class PipelinePlugin(DDPPlugin):
             return local
         local = local.to(self.root_device, torch.float32)
         dist.all_reduce(local)
-        return local / self.data_parallel_size
+        # Every tensor-parallel rank of the last stage holds the loss of its replica's batch.
+        return local / (self.data_parallel_size * self._tp)
 
     def _average_gradients(self) -> None:
-        grads = [p.grad for part in self._parts for p in part.parameters() if p.grad is not None]
+        grads = [_local(p.grad) for part in self._parts for p in part.parameters() if p.grad is not None]
         if not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)
@@ -477,19 +524,13 @@ class PipelinePlugin(DDPPlugin):
 
     def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
         """By value: per parameter. By norm: the norm over every stage (an all-reduce over the pipeline)."""
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if algorithm != "norm":
-            torch.nn.utils.clip_grad_value_(params, clip_val)
+            for grad in grads:
+                _local(grad).detach().clamp_(-clip_val, clip_val)
             return
-        squares = torch.zeros((), device=self.root_device)
-        for p in params:
-            squares = squares + p.grad.detach().float().pow(2).sum()
-        if self.pp_degree > 1:
-            dist.all_reduce(squares, group=self._pp_group)
-        total = squares.sqrt()
-        coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
-        for p in params:
-            p.grad.detach().mul_(coef.to(p.grad.dtype))
+        # Tensor-parallel shards are summed over their group; replicas hold equal (averaged) gradients.
+        clip_grads_by_total_norm(grads, clip_val, extra_group=self._pp_group if self.pp_degree > 1 else None)
 
     # ------------------------------------------------------------------ state
     @property
@@ -518,7 +559,7 @@ class PipelinePlugin(DDPPlugin):
             return [local]
         if self._sharded:
             return None
-        if self.dp_rank != 0:
+        if self.dp_rank != 0 or self.tp_rank != 0:
             return None
         gathered: Optional[list[Any]] = [None] * self.pp_degree if self.pp_rank == 0 else None
         dist.gather_object(local, gathered, dst=0, group=self._pp_group)
@@ -528,9 +569,10 @@ class PipelinePlugin(DDPPlugin):
         """The full state dict on global rank 0 (every stage's tensors under their original names); local elsewhere."""
         module = self._lightning_module
         assert module is not None
-        local = {
-            k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in self._local_state_dict().items()
-        }
+        local = self._local_state_dict()
+        if not self._sharded:
+            # Tensor-parallel shards become whole tensors (a collective over the group, in name order).
+            local = {k: _full(v).detach().cpu() if isinstance(v, Tensor) else v for k, v in local.items()}
         gathered = self._gather_to_first(local)
         if gathered is None:
             return local
@@ -544,11 +586,14 @@ class PipelinePlugin(DDPPlugin):
         module = self._lightning_module
         assert module is not None
         mine = {k: v for k, v in state_dict.items() if self._is_held(k)}
-        missing = [k for k in self._local_state_dict() if k not in mine]
+        own = self._local_state_dict()
+        missing = [k for k in own if k not in mine]
         if strict and missing:
             raise CheckpointError(
                 f"the checkpoint lacks {missing[:_MAX_LISTED]} of the layers this rank holds."
             )
+        # Whole tensors go to tensor-parallel parameters as this rank's shard of them.
+        mine = {k: _like(v, own[k]) if k in own else v for k, v in mine.items()}
         module.load_state_dict(mine, strict=False)
 
     def _param_names(self) -> dict[Tensor, str]:
@@ -568,7 +613,12 @@ class PipelinePlugin(DDPPlugin):
         names = self._param_names()
         parts = list(optimizer.optimizers) if isinstance(optimizer, OptimizersContainer) else [optimizer]
         local = [
-            (sid, optimizer_state_to_names(opt.state_dict(), opt, names))
+            (
+                sid,
+                optimizer_state_to_names(
+                    opt.state_dict() if self._sharded else _full_state(opt.state_dict()), opt, names
+                ),
+            )
             for sid, opt in zip(self._stage_ids, parts)
         ]
         gathered = self._gather_to_first(local)
@@ -612,8 +662,15 @@ class PipelinePlugin(DDPPlugin):
         return {"parts": prepared} if isinstance(optimizer, OptimizersContainer) else prepared[0]
 
     def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        if state_dict:
-            optimizer.load_state_dict(state_dict)
+        if not state_dict:
+            return
+        optimizer.load_state_dict(state_dict)
+        # Whole state tensors of tensor-parallel parameters become this rank's shard of them.
+        for opt in optimizer.optimizers if isinstance(optimizer, OptimizersContainer) else [optimizer]:
+            for param, state in opt.state.items():
+                for key, value in state.items():
+                    if isinstance(value, Tensor) and value.dim() and value.shape == param.shape:
+                        state[key] = _like(value, param)
 
     # ------------------------------------------------------------------ checkpoint files
     def save_checkpoint(
@@ -658,6 +715,111 @@ class PipelinePlugin(DDPPlugin):
         }
         checkpoint[KEY_STATE_DICT] = {**others, **checkpoint[KEY_STATE_DICT]}
         return checkpoint
+
+
+class PipelineModelParallelPlugin(PipelinePlugin):
+    """``ModelParallelPlugin`` with ``pipeline_parallel_size > 1``: pipeline stages, tensor-parallel inside.
+
+    Built by ``ModelParallelPlugin(pipeline_parallel_size=N, ...)``, with its arguments. The module
+    declares its stages (``pipeline_manual_split = True``: its ``forward`` runs its layers as a chain)
+    and applies its tensor-parallel plan in ``configure_model`` over ``self.device_mesh["tensor_parallel"]``,
+    as for ``ModelParallelPlugin``; each rank then keeps the layers of its stages. Data-parallel
+    replicas of a stage average their gradients after the backward, as under ``PipelinePlugin``.
+    """
+
+    name = "model_parallel"
+
+    def __init__(
+        self,
+        data_parallel_size: Any = "auto",
+        tensor_parallel_size: Any = "auto",
+        pipeline_parallel_size: int = 2,
+        save_distributed_checkpoint: bool = True,
+        mixed_precision: Any = None,
+        reshard_after_forward: bool = True,
+        split_points: Sequence[str] = (),
+        schedule: str = "1F1B",
+        n_microbatches: Optional[int] = None,
+        start_method: str = "popen",
+        process_group_backend: Optional[str] = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+    ) -> None:
+        from trainer_core.plugins.model_parallel import check_sizes
+
+        check_sizes("ModelParallelPlugin", data_parallel_size, tensor_parallel_size, pipeline_parallel_size)
+        if mixed_precision is not None or not reshard_after_forward:
+            raise MisconfigurationException(
+                f"ModelParallelPlugin(pipeline_parallel_size={pipeline_parallel_size}) averages the gradients of "
+                "data-parallel replicas itself instead of sharding with FSDP, so `mixed_precision` and "
+                "`reshard_after_forward` (FSDP's options) do not apply; use Trainer(precision='bf16-mixed') for "
+                "mixed precision."
+            )
+        if not split_points:
+            raise MisconfigurationException(
+                f"ModelParallelPlugin(pipeline_parallel_size={pipeline_parallel_size}) needs `split_points`: the "
+                "names of the layers that begin each stage after the first (e.g. split_points=['layers.2'])."
+            )
+        if save_distributed_checkpoint and checkpoint_io is None:
+            from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
+
+            checkpoint_io = DistributedCheckpointIO()
+        super().__init__(
+            split_points=split_points,
+            schedule=schedule,
+            n_microbatches=n_microbatches,
+            start_method=start_method,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+        )
+        self.requested_sizes = (data_parallel_size, tensor_parallel_size, pipeline_parallel_size)
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.save_distributed_checkpoint = save_distributed_checkpoint
+        self._resolve_sizes(world_size=None)
+
+    def _resolve_sizes(self, world_size: Optional[int]) -> None:
+        from trainer_core.plugins.model_parallel import resolve_sizes
+
+        dp, tp, pp = self.requested_sizes
+        if world_size is None:
+            # Until the world is known: as many ranks as the given sizes name (checked again then).
+            world_size = (dp if isinstance(dp, int) else 1) * (tp if isinstance(tp, int) else 1) * pp
+            self._num_devices = max(self._num_devices, world_size)
+        dp, tp, pp = resolve_sizes("ModelParallelPlugin", world_size, self._num_devices, dp, tp, pp)
+        self.data_parallel_size, self._tp = dp, tp
+        self._dims = None
+
+    def configure_devices(self, device_type: str, num_devices: int, num_nodes: int) -> None:
+        super().configure_devices(device_type, num_devices, num_nodes)
+        self._resolve_sizes(self.world_size)
+
+    def connect(self, module: LightningModule) -> None:
+        if self._tp > 1 and not declares_manual_split(module):
+            raise MisconfigurationException(
+                f"ModelParallelPlugin(pipeline_parallel_size={self.pipeline_parallel_size}, tensor_parallel_size="
+                f"{self._tp}) needs {type(module).__name__} to declare its stages (`{MANUAL_SPLIT_ATTRIBUTE} = True` "
+                "on the class, its forward running its layers as a chain): the traced split runs the layers' "
+                "tensors directly and would bypass the tensor-parallel plan of configure_model."
+            )
+        super().connect(module)
+
+    @property
+    def metrics_group(self) -> Optional[Any]:
+        """None: every rank holds the same reported loss; user values are reduced over all ranks."""
+        return None
+
+    def configuring_model(self) -> contextlib.AbstractContextManager:
+        from trainer_core.plugins.model_parallel import refuse_skipped_plan_entries
+
+        return refuse_skipped_plan_entries(self._lightning_module)
+
+    def _check_tensor_parallel(self, module: LightningModule) -> None:
+        from trainer_core.plugins.model_parallel import check_tensor_parallel_applied
+
+        check_tensor_parallel_applied(module, self._tp, "ModelParallelPlugin")
 
 
 # ---------------------------------------------------------------------- splitting
@@ -1208,3 +1370,44 @@ class _NoData:
 
     def __iter__(self) -> Iterator[None]:
         return iter([None] * len(self.loader))
+
+
+# ---------------------------------------------------------------------- tensor-parallel shards
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a ``DTensor``; any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _full(tensor: Tensor) -> Tensor:
+    """A ``DTensor`` gathered whole (a collective over its mesh); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _full_state(obj: Any) -> Any:
+    """An optimizer state with every ``DTensor`` gathered whole, in the state's own (deterministic) order."""
+    if isinstance(obj, Tensor):
+        return _full(obj)
+    if isinstance(obj, dict):
+        return {k: _full_state(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_full_state(v) for v in obj]
+    return obj
+
+
+def _like(value: Any, target: Any) -> Any:
+    """A whole tensor as ``target`` holds it: this rank's shard when ``target`` is a ``DTensor``.
+
+    Every rank holds the same whole tensor (read from the same checkpoint), so each takes its own
+    shard without communicating.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(target, DTensor) or isinstance(value, DTensor) or not isinstance(value, Tensor):
+        return value
+    return distribute_tensor(
+        value.to(target.device, target.dtype), target.device_mesh, target.placements, src_data_rank=None
+    )

@@ -45,6 +45,7 @@ def _register_builtins() -> None:
     register_plugin("zero", _zero)
     register_plugin("fsdp", _fsdp)
     register_plugin("pipeline", _pipeline)
+    register_plugin("model_parallel", _model_parallel)
 
 
 def _sharded(**kwargs: Any) -> TrainingTypePlugin:
@@ -69,6 +70,12 @@ def _pipeline(**kwargs: Any) -> TrainingTypePlugin:
     from trainer_core.plugins.pipeline import PipelinePlugin
 
     return PipelinePlugin(**kwargs)
+
+
+def _model_parallel(**kwargs: Any) -> TrainingTypePlugin:
+    from trainer_core.plugins.model_parallel import ModelParallelPlugin
+
+    return ModelParallelPlugin(**kwargs)
 
 
 _register_builtins()

@@ -20,6 +20,8 @@ from trainer_core.errors import MisconfigurationException
 from trainer_core.utilities import AttributeDict, move_data_to_device, rank_zero_only
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from trainer_core.optim import LightningOptimizer
     from trainer_core.trainer import Trainer
 
@@ -45,6 +47,16 @@ class LightningModule(nn.Module):
     @trainer.setter
     def trainer(self, trainer: Optional[Trainer]) -> None:
         self._trainer = trainer
+
+    @property
+    def device_mesh(self) -> Optional[DeviceMesh]:
+        """The run's device mesh, for ``configure_model``; ``None`` under plugins that build none.
+
+        Under ``ModelParallelPlugin`` it has the dimensions ``"data_parallel"``, ``"tensor_parallel"`` and
+        ``"pipeline_parallel"``: ``parallelize_module(self.block, self.device_mesh["tensor_parallel"], plan)``.
+        Under ``FSDPPlugin`` it is the mesh the plugin shards over.
+        """
+        return getattr(self, "_device_mesh", None)
 
     @property
     def automatic_optimization(self) -> bool:

@@ -155,9 +155,14 @@ def _as_tensor(value: Any) -> Tensor:
 def _reduce(plugin: TrainingTypePlugin, value: Any, reduce_op: str, group: Optional[Any]) -> Tensor:
     """``value`` reduced across processes: over ``group`` (``self.log(sync_dist_group=...)``) if given.
 
+    Otherwise over the plugin's ``metrics_group``: the ranks that see different data (under tensor
+    parallelism the ranks of a group share a batch, so a sum over all ranks would count it twice).
+
     The group is passed only when there is one, so that a plugin whose ``reduce`` takes no group
     (one written by a user for a single process group) still serves every ``sync_dist=True`` log.
     """
+    if group is None:
+        group = plugin.metrics_group
     if group is None:
         return plugin.reduce(_as_tensor(value), reduce_op=reduce_op)
     return plugin.reduce(_as_tensor(value), reduce_op=reduce_op, group=group)

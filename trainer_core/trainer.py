@@ -387,7 +387,8 @@ class Trainer:
             self.datamodule.setup(stage=stage)
         runner.call_callbacks("setup", stage=stage)
         runner.call_module("setup", stage=stage)
-        runner.call_module("configure_model")
+        with self.plugin.configuring_model():
+            runner.call_module("configure_model")
         self.plugin.setup(self)
         self.lightning_optimizers = [LightningOptimizer(opt, self.plugin) for opt in self.plugin.optimizers]
         if not module.automatic_optimization:

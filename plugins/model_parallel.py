@@ -1,0 +1,285 @@
+"""``ModelParallelPlugin``: tensor parallel x FSDP2 (x pipeline) on one device mesh.
+
+Lightning's ``ModelParallelStrategy`` conventions: the module's ``configure_model`` applies tensor
+parallelism with ``parallelize_module(layer, self.device_mesh["tensor_parallel"], plan)`` and may
+call ``fully_shard`` itself (over ``self.device_mesh["data_parallel"]``); when it does not, the
+plugin shards the root over the data-parallel dimension. The ranks of one tensor-parallel group
+read the same batches; the data is split by data-parallel rank only.
+
+With ``pipeline_parallel_size > 1`` the model is also cut into pipeline stages, each of them
+tensor-parallel inside (torchtitan's 3-D layout): the plugin is then a ``PipelinePlugin`` over the
+same mesh (see ``plugins/pipeline.py``), and data-parallel replicas of a stage average gradients.
+
+Checkpoints keep the name-keyed format of every plugin: a sharded folder (the default, every rank
+writes its own shards through ``torch.distributed.checkpoint``) or one full file
+(``save_distributed_checkpoint=False``), and either loads under any other layout or plugin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from torch.optim import Optimizer
+
+from trainer_core.errors import MisconfigurationException
+from trainer_core.plugins.environments import ClusterEnvironment
+from trainer_core.plugins.fsdp import FSDPPlugin
+from trainer_core.plugins.parallel import DEFAULT_TIMEOUT, clip_grads_by_total_norm, is_random_sampler
+from trainer_core.plugins.parallel_dims import DATA, TENSOR, ParallelDims
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from trainer_core.module import LightningModule
+    from trainer_core.plugins.io import CheckpointIO
+    from trainer_core.trainer import Trainer
+
+Size = Union[int, str]
+
+
+def check_sizes(owner: str, dp: Size, tp: Size, pp: int) -> None:
+    """Refuse a size that is neither a positive integer nor ``"auto"``, naming the argument."""
+    for name, value in (("data_parallel_size", dp), ("tensor_parallel_size", tp)):
+        if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise MisconfigurationException(f"{owner}({name}={value!r}): use a positive integer or 'auto'.")
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+        raise MisconfigurationException(f"{owner}(pipeline_parallel_size={pp!r}): use a positive integer.")
+
+
+def resolve_sizes(
+    owner: str, world_size: int, devices_per_node: int, dp: Size, tp: Size, pp: int
+) -> tuple[int, int, int]:
+    """``(dp, tp, pp)`` with ``"auto"`` filled in as Lightning does: tensor parallel inside a node, data across."""
+    check_sizes(owner, dp, tp, pp)
+    if tp == "auto" and dp == "auto":
+        tp = max(1, devices_per_node // pp) if devices_per_node % pp == 0 else 1
+    if tp == "auto":
+        tp = world_size // (int(dp) * pp) if world_size % (int(dp) * pp) == 0 else 0
+    if dp == "auto":
+        dp = world_size // (int(tp) * pp) if world_size % (int(tp) * pp) == 0 else 0
+    if not dp or not tp or int(dp) * int(tp) * pp != world_size:
+        raise MisconfigurationException(
+            f"{owner}(data_parallel_size={dp or '?'}, tensor_parallel_size={tp or '?'}, "
+            f"pipeline_parallel_size={pp}): the sizes must multiply to the {world_size} processes of the run "
+            "(devices x num_nodes); change the sizes or the number of devices."
+        )
+    return int(dp), int(tp), pp
+
+
+class ModelParallelPlugin(FSDPPlugin):
+    """Tensor parallelism (the module's ``configure_model``) with FSDP2 over the data-parallel ranks.
+
+    Args:
+        data_parallel_size: ranks that see different batches (FSDP shards over them); ``"auto"``: the
+            number of nodes, or whatever the other sizes leave.
+        tensor_parallel_size: ranks that split each layer; ``"auto"``: the devices of a node (divided by
+            the pipeline size), or whatever the other sizes leave.
+        pipeline_parallel_size: pipeline stages; above 1 the plugin is a pipeline whose stages are
+            tensor-parallel inside (``split_points``, ``schedule`` and ``n_microbatches`` as for
+            ``PipelinePlugin``; the module must declare ``pipeline_manual_split = True``).
+        save_distributed_checkpoint: ``True`` (default) writes a folder of shards, every rank its own;
+            ``False`` one full file, gathered to rank 0.
+        mixed_precision: FSDP2's ``MixedPrecisionPolicy`` (parameter and reduction dtypes).
+        reshard_after_forward: FSDP2's option of the same name.
+        start_method, process_group_backend, timeout, cluster_environment, checkpoint_io: as for every
+            multi-process plugin (``ParallelPlugin``).
+    """
+
+    name = "model_parallel"
+
+    def __new__(cls, *args: Any, pipeline_parallel_size: int = 1, **kwargs: Any) -> Any:
+        if (
+            cls is ModelParallelPlugin
+            and isinstance(pipeline_parallel_size, int)
+            and pipeline_parallel_size > 1
+        ):
+            from trainer_core.plugins.pipeline import PipelineModelParallelPlugin
+
+            plugin = PipelineModelParallelPlugin.__new__(PipelineModelParallelPlugin, **kwargs)
+            plugin.__init__(*args, pipeline_parallel_size=pipeline_parallel_size, **kwargs)
+            return plugin
+        return super().__new__(cls, *args, pipeline_parallel_size=pipeline_parallel_size, **kwargs)
+
+    def __init__(
+        self,
+        data_parallel_size: Size = "auto",
+        tensor_parallel_size: Size = "auto",
+        pipeline_parallel_size: int = 1,
+        save_distributed_checkpoint: bool = True,
+        mixed_precision: Optional[MixedPrecisionPolicy] = None,
+        reshard_after_forward: bool = True,
+        split_points: Sequence[str] = (),
+        schedule: str = "1F1B",
+        n_microbatches: Optional[int] = None,
+        start_method: str = "popen",
+        process_group_backend: Optional[str] = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+    ) -> None:
+        super().__init__(
+            mixed_precision=mixed_precision,
+            reshard_after_forward=reshard_after_forward,
+            state_dict_type="sharded" if save_distributed_checkpoint else "full",
+            start_method=start_method,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+        )
+        if split_points:
+            raise MisconfigurationException(
+                f"ModelParallelPlugin(split_points={list(split_points)!r}) cuts pipeline stages, which needs "
+                "pipeline_parallel_size > 1."
+            )
+        check_sizes("ModelParallelPlugin", data_parallel_size, tensor_parallel_size, pipeline_parallel_size)
+        self.data_parallel_size = data_parallel_size
+        self.tensor_parallel_size = tensor_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.save_distributed_checkpoint = save_distributed_checkpoint
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        if self._dims is None or self._dims.world_size != self.world_size:
+            dp, tp, pp = resolve_sizes(
+                "ModelParallelPlugin",
+                self.world_size,
+                self._num_devices,
+                self.data_parallel_size,
+                self.tensor_parallel_size,
+                self.pipeline_parallel_size,
+            )
+            self._dims = ParallelDims(self.world_size, tp=tp, pp=pp, dp_shard=dp, owner="ModelParallelPlugin")
+        return self._dims
+
+    def configure_devices(self, device_type: str, num_devices: int, num_nodes: int) -> None:
+        super().configure_devices(device_type, num_devices, num_nodes)
+        self.parallel_dims  # noqa: B018 - sizes that do not fit the world fail here, before any process starts
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The whole mesh: ``("pipeline_parallel", "data_parallel", "tensor_parallel")``."""
+        return self.parallel_dims.build_mesh(self.root_device.type)
+
+    def _sharding_mesh(self) -> DeviceMesh:
+        self.device_mesh  # noqa: B018
+        return self.parallel_dims.sharding_mesh()
+
+    @property
+    def _coordinates(self) -> dict[str, int]:
+        return self.parallel_dims.coordinates(self.global_rank)
+
+    @property
+    def metrics_group(self) -> Optional[Any]:
+        """The data-parallel ranks: tensor-parallel ranks share a batch, so they count once."""
+        if self.world_size == 1:
+            return None
+        return self.parallel_dims.submesh(DATA).get_group()
+
+    # ------------------------------------------------------------------ setup
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # A collective: every rank builds the mesh here, before the module's configure_model uses it.
+        if self._lightning_module is not None:
+            self._lightning_module._device_mesh = self.device_mesh
+
+    def configuring_model(self) -> contextlib.AbstractContextManager:
+        return refuse_skipped_plan_entries(self._lightning_module)
+
+    def setup(self, trainer: Trainer) -> None:
+        check_tensor_parallel_applied(self._lightning_module, self.parallel_dims.tp, "ModelParallelPlugin")
+        super().setup(trainer)
+
+    def model_to_device(self) -> None:
+        module = self._lightning_module
+        assert module is not None
+        module.to(self.root_device)
+
+    # ------------------------------------------------------------------ data
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dims = self.parallel_dims
+        return {"num_replicas": dims.dp, "rank": self._coordinates[DATA]}
+
+    def process_dataloader(self, dataloader: Any, kind: str, use_distributed_sampler: bool) -> Any:
+        """Each data-parallel rank its own part; the ranks of a tensor-parallel group the same batches, in the same order."""
+        from torch.utils.data import DataLoader
+
+        from trainer_core.plugins.parallel import with_distributed_sampler
+
+        if not use_distributed_sampler or self.world_size == 1 or not isinstance(dataloader, DataLoader):
+            return dataloader
+        dims = self.parallel_dims
+        # A shuffled order must come from a seed shared by the group, not from each rank's own RNG.
+        if dims.dp > 1 or is_random_sampler(dataloader.sampler):
+            return with_distributed_sampler(dataloader, kind, dims.dp, self._coordinates[DATA])
+        return dataloader
+
+    # ------------------------------------------------------------------ steps
+    def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
+        """By norm: the norm of the whole model, over every tensor-parallel and data-parallel shard."""
+        self.precision.unscale_gradients(optimizer)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if algorithm == "norm":
+            clip_grads_by_total_norm(grads, clip_val)
+            return
+        from torch.distributed.tensor import DTensor
+
+        for grad in grads:
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            local.detach().clamp_(-clip_val, clip_val)
+
+
+@contextlib.contextmanager
+def refuse_skipped_plan_entries(module: Optional[LightningModule]) -> Iterator[None]:
+    """Around ``configure_model``: a tensor-parallel plan entry that matches no submodule is an error.
+
+    torch's ``parallelize_module`` only warns and skips such an entry, and the run would then train
+    the layer replicated, without a word. Every rank runs the same ``configure_model``, so every rank
+    raises, and none is left waiting in a collective.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    skipped = [str(w.message) for w in caught if str(w.message).startswith(_SKIPPED_PLAN_ENTRY)]
+    for w in caught:
+        if not str(w.message).startswith(_SKIPPED_PLAN_ENTRY):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    if skipped:
+        # torch names the rest of the key it could not resolve and the module it looked in.
+        head, _, where = skipped[0].partition(" in module ")
+        where = where.split("(", 1)[0]
+        raise MisconfigurationException(
+            f"{type(module).__name__}.configure_model applied a tensor-parallel plan with an entry that matches no "
+            f"submodule, which torch skips: {head}{f' in {where}' if where else ''}. Fix the plan's key (the names "
+            "are relative to the module given to parallelize_module)."
+        )
+
+
+_SKIPPED_PLAN_ENTRY = "Parallelize plan key"
+
+
+def check_tensor_parallel_applied(module: Optional[LightningModule], tp: int, owner: str) -> None:
+    """Refuse a run whose ``configure_model`` did not apply the tensor parallelism it was given ranks for."""
+    if module is None or tp == 1:
+        return
+    from torch.distributed.tensor import DTensor
+
+    for param in module.parameters():
+        if isinstance(param, DTensor):
+            names = param.device_mesh.mesh_dim_names or ()
+            if TENSOR in names and param.device_mesh.size(names.index(TENSOR)) > 1:
+                return
+    raise MisconfigurationException(
+        f"{owner}(tensor_parallel_size={tp}): {type(module).__name__}.configure_model did not parallelize any "
+        "parameter over the tensor-parallel mesh, so every tensor-parallel rank would hold and train the whole "
+        "model on the same batch. Apply a plan in configure_model, e.g. "
+        'parallelize_module(self.block, self.device_mesh["tensor_parallel"], {"w1": ColwiseParallel(), ...}), '
+        "or set tensor_parallel_size=1."
+    )

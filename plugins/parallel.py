@@ -1,0 +1,478 @@
+"""``ParallelPlugin``: what every multi-process plugin shares, and the data-parallel helpers.
+
+Processes (the cluster environment, ranks, the launcher, the process group), the collectives the
+Trainer asks for, the split of the data across ranks and the warning for layers that mix samples
+live here once. ``DDPPlugin`` adds the ``DistributedDataParallel`` wrapper; ``FSDPPlugin``,
+``PipelinePlugin`` and ``ModelParallelPlugin`` add their own sharding. Which ranks form which group
+of an N-D layout is ``ParallelDims``'s business (``plugins/parallel_dims.py``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
+
+from trainer_core.errors import MisconfigurationException
+from trainer_core.plugins.base import TrainingTypePlugin
+from trainer_core.plugins.environments import ClusterEnvironment, detect_environment
+from trainer_core.plugins.launchers import ScriptLauncher, SpawnLauncher
+from trainer_core.plugins.parallel_dims import ParallelDims
+from trainer_core.utilities import rank_zero_warn
+
+if TYPE_CHECKING:
+    from trainer_core.plugins.io import CheckpointIO
+    from trainer_core.trainer import Trainer
+
+#: How long a rank waits in a collective for the others before giving up with an error.
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+class ParallelPlugin(TrainingTypePlugin):
+    """Several processes, ``devices`` per node on ``num_nodes`` nodes, in one process group.
+
+    Started by re-running the script (``"popen"``, the default), by ``spawn``/``fork``/``forkserver``,
+    or by an outside launcher (torchrun, SLURM: ``cluster_environment``). Collectives run over the
+    whole world unless a ``group`` is given.
+    """
+
+    name = "parallel"
+
+    def __init__(
+        self,
+        start_method: str = "popen",
+        process_group_backend: Optional[str] = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+    ) -> None:
+        super().__init__(checkpoint_io=checkpoint_io)
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise MisconfigurationException(
+                f"{type(self).__name__}(start_method={start_method!r}): use 'popen' (re-run the script), 'spawn', "
+                "'fork' or 'forkserver'."
+            )
+        self.start_method = start_method
+        self.process_group_backend = process_group_backend
+        self.timeout = timeout
+        self.cluster_environment = cluster_environment
+        self._device_type = "cpu"
+        self._num_devices = 1
+        self._num_nodes = 1
+        self._launcher: Any = None
+
+    # ------------------------------------------------------------------ processes
+    def configure_devices(self, device_type: str, num_devices: int, num_nodes: int) -> None:
+        self._device_type = device_type
+        self._num_devices = num_devices
+        self._num_nodes = num_nodes
+        if self.cluster_environment is None:
+            self.cluster_environment = detect_environment(num_devices, num_nodes)
+        if self.cluster_environment.creates_processes_externally and not dist.is_initialized():
+            self.cluster_environment.validate(num_devices, num_nodes)
+
+    @property
+    def _env(self) -> ClusterEnvironment:
+        if self.cluster_environment is None:
+            self.configure_devices(self._device_type, self._num_devices, self._num_nodes)
+        assert self.cluster_environment is not None
+        return self.cluster_environment
+
+    @property
+    def global_rank(self) -> int:
+        return self._env.global_rank()
+
+    @property
+    def local_rank(self) -> int:
+        return self._env.local_rank()
+
+    @property
+    def node_rank(self) -> int:
+        return self._env.node_rank()
+
+    @property
+    def world_size(self) -> int:
+        return self._env.world_size()
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._device_type == "cuda":
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    @property
+    def backend(self) -> str:
+        return self.process_group_backend or ("nccl" if self._device_type == "cuda" else "gloo")
+
+    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        env = self._env
+        if env.creates_processes_externally or self.world_size == 1 or dist.is_initialized():
+            return function(*args, **kwargs)
+        if self.start_method == "popen":
+            if self._launcher is None:
+                self._launcher = ScriptLauncher(env, self._num_devices, self._num_nodes)
+            return self._launcher.launch(function, *args, **kwargs)
+        launcher = SpawnLauncher(env, self._num_devices, self.start_method)
+        return launcher.launch(function, *args, trainer=self.trainer, **kwargs)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if dist.is_initialized():
+            return
+        env = self._env
+        os.environ.setdefault("MASTER_ADDR", env.main_address)
+        os.environ.setdefault("MASTER_PORT", str(env.main_port))
+        if self._device_type == "cuda":
+            torch.cuda.set_device(self.root_device)
+        dist.init_process_group(
+            self.backend,
+            init_method="env://",
+            rank=self.global_rank,
+            world_size=self.world_size,
+            timeout=self.timeout,
+        )
+        # Kept for later fit/test calls in this process, but destroyed before the interpreter
+        # exits: left to static destructors, gloo can abort the process at exit (SIGABRT).
+        atexit.register(_destroy_process_group)
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """Every rank a data-parallel replica; plugins that split the model override this."""
+        return ParallelDims(self.world_size, owner=type(self).__name__)
+
+    # ------------------------------------------------------------------ model
+    def setup(self, trainer: Trainer) -> None:
+        if trainer.training:
+            self.check_module_for_data_parallel()
+        super().setup(trainer)
+
+    def check_module_for_data_parallel(self) -> None:
+        """Say, before training, where this module computes another function than one process would.
+
+        Every data-parallel plugin (DDP, ShardedDDP, ZeRO, FSDP, model parallel) calls this from its ``setup``:
+        gradients are averaged, so a module whose forward treats samples independently trains
+        exactly as one process on the combined batch; a layer that mixes samples (BatchNorm) does not.
+        """
+        module = self._lightning_module
+        if module is not None and self.world_size > 1:
+            warn_if_batch_norm(module, type(self).__name__, self.world_size, self._running_stats_note())
+
+    def _running_stats_note(self) -> str:
+        """What becomes of BatchNorm's running statistics across ranks under this plugin."""
+        return "every rank keeps running statistics of its own samples, and the checkpoint holds rank 0's"
+
+    def on_exception(self, exception: BaseException) -> None:
+        global _RUN_FAILED
+        _RUN_FAILED = True
+        if self.world_size > 1 and _is_peer_failure(exception):
+            # gloo/nccl say only "Timed out waiting 15000ms for recv" or "Connection closed by peer".
+            exception.add_note(
+                f"[trainer-core] rank {self.global_rank}: a collective with the other ranks failed "
+                f"({type(self).__name__} timeout={self.timeout}). Another rank has died or is hung: its own output says "
+                "which and why. Raise `timeout` only if a rank legitimately needs longer (a long rank-0 save)."
+            )
+
+    def teardown(self) -> None:
+        super().teardown()
+        if self._launcher is not None and not self._launcher.children:
+            self._launcher = None
+
+    # ------------------------------------------------------------------ data
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def process_dataloader(self, dataloader: Any, kind: str, use_distributed_sampler: bool) -> Any:
+        if not use_distributed_sampler or self.world_size == 1 or not isinstance(dataloader, DataLoader):
+            return dataloader
+        return with_distributed_sampler(dataloader, kind, self.world_size, self.global_rank)
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: Optional[str] = None) -> None:
+        if dist.is_initialized() and self.world_size > 1:
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized() or self.world_size == 1:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=src)
+        return holder[0]
+
+    def reduce(
+        self, tensor: Union[Tensor, float], reduce_op: str = "mean", group: Optional[Any] = None
+    ) -> Union[Tensor, float]:
+        if not dist.is_initialized() or self.world_size == 1:
+            return tensor
+        if reduce_op not in _REDUCE_OPS:
+            raise MisconfigurationException(f"reduce_op={reduce_op!r}: use one of {', '.join(_REDUCE_OPS)}.")
+        value = tensor if isinstance(tensor, Tensor) else torch.tensor(float(tensor))
+        if hasattr(value, "full_tensor"):  # a DTensor (a loss under loss_parallel): all_reduce takes plain tensors
+            value = value.full_tensor()
+        value = (
+            value.detach()
+            .clone()
+            .to(self.root_device, dtype=torch.float32 if not value.is_floating_point() else value.dtype)
+        )
+        dist.all_reduce(value, op=_REDUCE_OPS[reduce_op], group=group)
+        if reduce_op == "mean":
+            value = value / (self.world_size if group is None else dist.get_world_size(group))
+        return value
+
+    def all_gather(self, tensor: Tensor, sync_grads: bool = False, group: Optional[Any] = None) -> Tensor:
+        if not dist.is_initialized() or self.world_size == 1:
+            return tensor.unsqueeze(0)
+        if sync_grads:
+            from torch.distributed.nn.functional import all_gather
+
+            return torch.stack(
+                all_gather(tensor.contiguous(), group=dist.group.WORLD if group is None else group)
+            )
+        size = self.world_size if group is None else dist.get_world_size(group)
+        gathered = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(gathered, tensor.contiguous(), group=group)
+        return torch.stack(gathered)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not dist.is_initialized() or self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if not dist.is_initialized() or self.world_size == 1:
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+        return bool(flag.item() == self.world_size) if all else bool(flag.item() > 0)
+
+
+# Set when this process's run failed: its peers may be gone or blocked, so exit must not wait for them.
+_RUN_FAILED = False
+
+
+def _is_peer_failure(exception: BaseException) -> bool:
+    """Whether ``exception`` says a collective timed out or lost its connection to another rank."""
+    if isinstance(exception, getattr(dist, "DistBackendError", ())) or isinstance(exception, RuntimeError):
+        text = str(exception).lower()
+        return any(
+            words in text
+            for words in ("timed out", "timeout", "connection closed by peer", "connection reset by peer")
+        )
+    return False
+
+
+#: How many BatchNorm layer names the warning lists before it says how many more there are.
+_NAMES_SHOWN = 3
+
+
+def batch_norm_layers(module: nn.Module) -> list[str]:
+    """Names of the layers that normalise with the statistics of the batch they see (SyncBatchNorm excluded)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return [
+        name or "<root>"
+        for name, layer in module.named_modules()
+        if isinstance(layer, _BatchNorm) and not isinstance(layer, nn.SyncBatchNorm)
+    ]
+
+
+def warn_if_batch_norm(module: nn.Module, plugin: str, world_size: int, running_stats_note: str) -> None:
+    """Warn (rank 0) that BatchNorm under data parallelism is not the one-process function.
+
+    Each rank normalises with the mean and variance of its own part of the global batch, so the
+    losses, gradients and weights differ from one process on the whole batch; torch's
+    ``SyncBatchNorm`` (which would fix it) runs on GPUs only, so the plugin cannot convert on its own.
+    """
+    names = batch_norm_layers(module)
+    if not names:
+        return
+    shown = ", ".join(names[:_NAMES_SHOWN]) + (
+        f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
+    )
+    rank_zero_warn(
+        f"{type(module).__name__} has BatchNorm layers ({shown}) and {plugin} trains it on {world_size} processes: "
+        "each process normalises with the mean and variance of its own part of the batch, not of the whole "
+        f"batch one process would see, so this run trains a different function than one process; "
+        f"{running_stats_note}. To normalise over the whole batch convert the module with "
+        "`torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)` (on GPUs: SyncBatchNorm does not run on CPU), "
+        "or use a normalisation without batch statistics (LayerNorm, GroupNorm).",
+        category=UserWarning,
+    )
+
+
+def _destroy_process_group() -> None:
+    """At interpreter exit: wait for every rank to get here, then tear the groups down together.
+
+    A rank that closes its connections while a peer still uses them makes gloo abort that peer
+    ("terminate called without an active exception"), so the teardown waits (10 s at most) for
+    all; a process whose run failed does not wait.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if _RUN_FAILED:
+        return  # the launcher or the peers' own errors end the others; waiting here would only delay that
+    try:
+        if dist.get_world_size() > 1:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=10))
+            else:
+                dist.barrier()
+    except Exception:
+        pass  # a rank is gone: nothing to wait for
+    dist.destroy_process_group()
+
+
+class UnrepeatedDistributedSampler(Sampler[int]):
+    """Each sample once across ranks (``indices[rank::world]``), for prediction, where padding would duplicate outputs."""
+
+    def __init__(self, length: int, num_replicas: int, rank: int) -> None:
+        self.indices = list(range(length))[rank::num_replicas]
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def with_distributed_sampler(loader: DataLoader, kind: str, num_replicas: int, rank: int) -> DataLoader:
+    """The same loader with each rank drawing its own part of the data set (Lightning's rule).
+
+    Training shuffles if the user's loader did (seeded from ``seed_everything``, reshuffled per
+    epoch through ``set_epoch``); evaluation keeps the order; prediction gives each sample to one
+    rank only. A loader with a custom sampler or batch sampler is left alone.
+    """
+    sampler = loader.sampler
+    shuffled = is_random_sampler(sampler)
+    if isinstance(sampler, DistributedSampler) or not (shuffled or isinstance(sampler, SequentialSampler)):
+        return loader
+    if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
+        return loader
+    dataset = loader.dataset
+    if kind == "predict":
+        new_sampler: Sampler = UnrepeatedDistributedSampler(len(dataset), num_replicas, rank)
+    else:
+        new_sampler = DistributedSampler(
+            dataset,
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffled and kind == "train",
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+            drop_last=loader.drop_last if kind == "train" else False,
+        )
+    kwargs: dict[str, Any] = dict(
+        batch_size=loader.batch_size,
+        sampler=new_sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        generator=loader.generator,
+        persistent_workers=loader.persistent_workers,
+    )
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+        kwargs["multiprocessing_context"] = loader.multiprocessing_context
+    if type(loader) is DataLoader:
+        return DataLoader(dataset, **kwargs)
+    if _is_stateful_loader(loader):
+        # A StatefulDataLoader stays one, so that checkpoints keep its position.
+        return type(loader)(dataset, **kwargs, snapshot_every_n_steps=loader.snapshot_every_n_steps)
+    return DataLoader(dataset, **kwargs)
+
+
+def is_random_sampler(sampler: Any) -> bool:
+    """torch's ``RandomSampler``, or torchdata's stateful one (which does not derive from it)."""
+    if isinstance(sampler, RandomSampler):
+        return True
+    cls = type(sampler)
+    return cls.__name__ == "RandomSampler" and cls.__module__.startswith("torchdata.")
+
+
+def _is_stateful_loader(loader: Any) -> bool:
+    cls = type(loader)
+    return cls.__name__ == "StatefulDataLoader" and cls.__module__.startswith("torchdata.")
+
+
+def total_grad_norm(grads: list[Tensor], norm_type: float = 2.0, extra_group: Optional[Any] = None) -> Tensor:
+    """The norm of all ``grads`` together, as one process holding every full gradient would compute it.
+
+    A ``DTensor`` gradient contributes its local shard, summed over the mesh dimensions it is sharded
+    along (tensor parallel, FSDP) and counted once along those it is replicated on; gradients on
+    different meshes (a layer outside the tensor-parallel plan) mix freely. ``extra_group`` adds the
+    ranks that hold other parameters altogether (the stages of a pipeline). Every rank of a group
+    must pass its gradients in the same order, which holds for ranks that hold the same parameters.
+    """
+    from torch.distributed.tensor import DTensor
+
+    norm_type = float(norm_type)
+    infinite = norm_type == float("inf")
+    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    # One running value per (mesh, sharded dimensions): reduced together, once each.
+    pending: dict[tuple[int, tuple[int, ...]], tuple[Any, tuple[int, ...], Tensor]] = {}
+    for grad in grads:
+        mesh: Any = None
+        dims: tuple[int, ...] = ()
+        if isinstance(grad, DTensor):
+            if any(p.is_partial() for p in grad.placements):
+                grad = grad.full_tensor()
+            else:
+                mesh = grad.device_mesh
+                # Any placement but Replicate splits the tensor over that dimension (Shard, and the
+                # _StridedShard of FSDP over tensor parallelism, which is not is_shard()).
+                dims = tuple(i for i, p in enumerate(grad.placements) if not p.is_replicate())
+                grad = grad.to_local()
+        local = grad.detach().float()
+        value = local.abs().max() if infinite and local.numel() else local.abs().pow(norm_type).sum()
+        if not dims:
+            total = torch.maximum(total, value) if infinite else total + value
+            continue
+        key = (id(mesh), dims)
+        if key in pending:
+            held = pending[key][2]
+            value = torch.maximum(held, value) if infinite else held + value
+        pending[key] = (mesh, dims, value)
+    for mesh, dims, value in pending.values():
+        for dim in dims:
+            if mesh.size(dim) > 1:
+                dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+        total = torch.maximum(total, value) if infinite else total + value
+    if extra_group is not None and dist.get_world_size(extra_group) > 1:
+        dist.all_reduce(total, op=op, group=extra_group)
+    return total if infinite else total.pow(1.0 / norm_type)
+
+
+def clip_grads_by_total_norm(
+    grads: list[Tensor], max_norm: float, norm_type: float = 2.0, extra_group: Optional[Any] = None
+) -> Tensor:
+    """Scale ``grads`` in place so that their total norm (:func:`total_grad_norm`) is at most ``max_norm``."""
+    from torch.distributed.tensor import DTensor
+
+    total = total_grad_norm(grads, norm_type, extra_group)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        local.detach().mul_(coef.to(local.dtype))
+    return total
