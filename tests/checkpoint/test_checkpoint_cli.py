@@ -131,7 +131,11 @@ def test_inspect_single_file(single_file: tuple[Path, Trainer]) -> None:
 
     assert report["global_step"] == STEPS_PER_EPOCH
     assert report["epoch"] == saved["epoch"] == trainer.current_epoch
-    assert report["plugin"] == {"name": trainer.plugin.name, "world_size": 1}
+    assert report["plugin"] == {
+        "name": trainer.plugin.name,
+        "world_size": 1,
+        "layout": {"pipeline_parallel": 1, "data_parallel": 1, "tensor_parallel": 1},
+    }
     assert report["sharded"] is False and report["shard_files"] is None
     assert report["resumable"] is True
     assert report["keys"] == list(saved)
@@ -157,7 +161,11 @@ def test_inspect_sharded_folder(sharded_folder: Path) -> None:
     report = _inspect_json(sharded_folder)
 
     assert report["global_step"] == SHARDED_STEP
-    assert report["plugin"] == {"name": "fsdp", "world_size": 2}
+    assert report["plugin"] == {
+        "name": "fsdp",
+        "world_size": 2,
+        "layout": {"pipeline_parallel": 1, "data_parallel": 2, "tensor_parallel": 1},
+    }
     assert report["sharded"] is True
     assert report["shard_files"] == len(list(sharded_folder.glob("*.distcp"))) == 2
     assert report["model"] == {"tensors": 4, "bytes": _tensor_totals(whole["state_dict"])[1]}
@@ -166,7 +174,7 @@ def test_inspect_sharded_folder(sharded_folder: Path) -> None:
 
     text = _cli("inspect", str(sharded_folder), cwd=sharded_folder.parent)
     assert text.returncode == 0, text.stderr
-    assert re.search(r"^plugin\s+fsdp \(world size 2\)$", text.stdout, re.M)
+    assert re.search(r"^plugin\s+fsdp \(world size 2, layout \[dp=2\]\)$", text.stdout, re.M)
     assert re.search(r"^sharded\s+yes \(2 shard files\)$", text.stdout, re.M)
     assert re.search(rf"^global_step\s+{SHARDED_STEP}$", text.stdout, re.M)
 
@@ -188,7 +196,11 @@ def test_consolidate_writes_a_file_any_plugin_resumes(sharded_folder: Path, tmp_
     folder = TorchCheckpointIO().load_checkpoint(sharded_folder)
     single = torch.load(out, weights_only=True)
     assert single["global_step"] == folder["global_step"] == SHARDED_STEP
-    assert single["plugin"] == {"name": "fsdp", "world_size": 2}  # where it came from
+    assert single["plugin"] == {
+        "name": "fsdp",
+        "world_size": 2,
+        "layout": {"pipeline_parallel": 1, "data_parallel": 2, "tensor_parallel": 1},
+    }  # where it came from
     for part in ("state_dict", "optimizer_states"):
         expected, written = _tensors(folder[part]), _tensors(single[part])
         assert expected.keys() == written.keys() and expected

@@ -32,6 +32,7 @@ from trainer_core.checkpoint.format import (
     KEY_PLUGIN,
     KEY_STATE_DICT,
     KEY_VERSION,
+    PLUGIN_LAYOUT,
     PLUGIN_NAME,
     PLUGIN_WORLD_SIZE,
     RESUME_KEYS,
@@ -116,7 +117,11 @@ def summarize(checkpoint: Mapping[str, Any], path: str, shard_files: Optional[in
         "trainer_core_version": checkpoint.get(KEY_VERSION),
         "epoch": checkpoint.get(KEY_EPOCH),
         "global_step": checkpoint.get(KEY_GLOBAL_STEP),
-        "plugin": {"name": plugin.get(PLUGIN_NAME), "world_size": plugin.get(PLUGIN_WORLD_SIZE)},
+        "plugin": {
+            "name": plugin.get(PLUGIN_NAME),
+            "world_size": plugin.get(PLUGIN_WORLD_SIZE),
+            "layout": dict(plugin[PLUGIN_LAYOUT]) if isinstance(plugin.get(PLUGIN_LAYOUT), Mapping) else None,
+        },
         "sharded": shard_files is not None,
         "shard_files": shard_files,
         "resumable": all(key in checkpoint for key in RESUME_KEYS),
@@ -149,13 +154,23 @@ def _human(nbytes: int) -> str:
     raise AssertionError("unreachable")
 
 
+_LAYOUT_NAMES = (("pp", "pipeline_parallel"), ("dp", "data_parallel"), ("tp", "tensor_parallel"))
+
+
 def format_summary(summary: Mapping[str, Any]) -> str:
     """``summary`` as aligned ``name  value`` lines."""
     plugin = summary["plugin"]
     if plugin["name"] is None:
         plugin_text = "unknown (written before checkpoints recorded it)"
     else:
-        plugin_text = f"{plugin['name']} (world size {plugin['world_size']})"
+        plugin_text = f"{plugin['name']} (world size {plugin['world_size']}"
+        layout = plugin.get("layout")
+        if layout:
+            shown = [
+                f"{short}={layout.get(dim, 1)}" for short, dim in _LAYOUT_NAMES if layout.get(dim, 1) > 1
+            ]
+            plugin_text += f", layout [{', '.join(shown) or 'one process'}]"
+        plugin_text += ")"
     sharded = f"yes ({summary['shard_files']} shard files)" if summary["sharded"] else "no (single file)"
 
     def tensors(part: Mapping[str, int]) -> str:

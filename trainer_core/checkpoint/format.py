@@ -39,6 +39,8 @@ KEY_PRECISION = "precision"
 KEY_PLUGIN = "plugin"  # {PLUGIN_NAME: ..., PLUGIN_WORLD_SIZE: ...} of the run that wrote it
 PLUGIN_NAME = "name"
 PLUGIN_WORLD_SIZE = "world_size"
+#: ``{"pipeline_parallel": pp, "data_parallel": dp, "tensor_parallel": tp}`` of the writing run (older checkpoints lack it).
+PLUGIN_LAYOUT = "layout"
 KEY_DATAMODULE = "datamodule"
 KEY_RNG_PER_RANK = "rng_states_per_rank"  # every rank's generators (rank 0's are also under KEY_RNG)
 

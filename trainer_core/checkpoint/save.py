@@ -36,6 +36,7 @@ from trainer_core.checkpoint.format import (
     LOOP_PER_RANK,
     LOOP_SAMPLER_SEED,
     LOOP_WORLD_SIZE,
+    PLUGIN_LAYOUT,
     PLUGIN_NAME,
     PLUGIN_WORLD_SIZE,
 )
@@ -165,7 +166,11 @@ def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, A
         KEY_EPOCH: trainer.current_epoch,
         KEY_GLOBAL_STEP: trainer.global_step,
         KEY_STATE_DICT: plugin.lightning_module_state_dict(),
-        KEY_PLUGIN: {PLUGIN_NAME: plugin.name, PLUGIN_WORLD_SIZE: plugin.world_size},
+        KEY_PLUGIN: {
+            PLUGIN_NAME: plugin.name,
+            PLUGIN_WORLD_SIZE: plugin.world_size,
+            PLUGIN_LAYOUT: plugin.layout(),
+        },
     }
     if module.hparams:
         checkpoint[KEY_HPARAMS] = _plain_hparams(dict(module.hparams))
