@@ -186,6 +186,14 @@ class TrainingTypePlugin:
             self.setup_optimizers(trainer)
         self.model = self.wrap_model(module)
 
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> contextlib.AbstractContextManager:
+        """Where ``Trainer.init_module`` creates the module's tensors: on this process's device here.
+
+        Sharding plugins create them on the meta device with ``empty_init=True`` and materialise
+        each rank's shards in ``setup``.
+        """
+        return torch.device(self.root_device)
+
     def configuring_model(self) -> contextlib.AbstractContextManager:
         """Around the module's ``configure_model``: plugins check there what the module set up; a no-op here."""
         return contextlib.nullcontext()

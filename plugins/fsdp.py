@@ -132,11 +132,22 @@ class FSDPPlugin(ParallelPlugin):
         if trainer.training:
             self.check_module_for_data_parallel()
         self.precision.convert_module(module)
-        self.model_to_device()
-        self._shard(module)
+        if has_meta_tensors(module):
+            # Built on the meta device (Trainer.init_module(empty_init=True)): shard first, then give
+            # each rank memory for its own shards only, initialised by the layers' reset_parameters.
+            self._shard(module)
+            materialize_module(module, self.root_device)
+        else:
+            self.model_to_device()
+            self._shard(module)
         if trainer.training:
             self.setup_optimizers(trainer)
         self.model = module
+
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> contextlib.AbstractContextManager:
+        """``empty_init=True``: layers are created on the meta device, without memory, and materialised
+        shard by shard after sharding."""
+        return torch.device("meta") if empty_init else contextlib.nullcontext()
 
     def _shard_kwargs(self) -> dict[str, Any]:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -275,6 +286,40 @@ class FSDPPlugin(ParallelPlugin):
                 )
             # Every rank writes its own shards.
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def materialize_module(module: nn.Module, device: torch.device) -> None:
+    """Give a module built on the meta device memory on ``device`` and initialise it.
+
+    Each submodule that holds parameters or buffers of its own is re-initialised with its
+    ``reset_parameters``; one without that method cannot be, and is named in a warning (its tensors
+    hold whatever the memory held: load a checkpoint, or give it ``reset_parameters``).
+    """
+    from trainer_core.utilities import rank_zero_warn
+
+    module.to_empty(device=device)
+    uninitialised = []
+    for name, sub in module.named_modules():
+        own = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
+        if not own:
+            continue
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        else:
+            uninitialised.append(name or type(sub).__name__)
+    if uninitialised:
+        rank_zero_warn(
+            f"{type(module).__name__} was built on the meta device and these layers have no reset_parameters, so "
+            f"their tensors are uninitialised: {', '.join(uninitialised[:5])}"
+            f"{f' and {len(uninitialised) - 5} more' if len(uninitialised) > 5 else ''}. Give them "
+            "reset_parameters, or load their weights (ckpt_path=...).",
+            category=UserWarning,
+        )
 
 
 def _is_full(state: dict[str, Any]) -> bool:

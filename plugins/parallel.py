@@ -223,7 +223,9 @@ class ParallelPlugin(TrainingTypePlugin):
         if reduce_op not in _REDUCE_OPS:
             raise MisconfigurationException(f"reduce_op={reduce_op!r}: use one of {', '.join(_REDUCE_OPS)}.")
         value = tensor if isinstance(tensor, Tensor) else torch.tensor(float(tensor))
-        if hasattr(value, "full_tensor"):  # a DTensor (a loss under loss_parallel): all_reduce takes plain tensors
+        if hasattr(
+            value, "full_tensor"
+        ):  # a DTensor (a loss under loss_parallel): all_reduce takes plain tensors
             value = value.full_tensor()
         value = (
             value.detach()
@@ -354,11 +356,13 @@ class UnrepeatedDistributedSampler(Sampler[int]):
 
 
 def with_distributed_sampler(loader: DataLoader, kind: str, num_replicas: int, rank: int) -> DataLoader:
-    """The same loader with each rank drawing its own part of the data set (Lightning's rule).
+    """The same loader with each rank drawing its own part of the data set.
 
     Training shuffles if the user's loader did (seeded from ``seed_everything``, reshuffled per
     epoch through ``set_epoch``); evaluation keeps the order; prediction gives each sample to one
-    rank only. A loader with a custom sampler or batch sampler is left alone.
+    rank only. A loader with a custom sampler or batch sampler is left alone. Unlike Lightning, which
+    shuffles every distributed training loader, a loader the user did not shuffle stays in order, so
+    that a run on several processes sees the batches one process would.
     """
     sampler = loader.sampler
     shuffled = is_random_sampler(sampler)

@@ -7,6 +7,7 @@ and then calls the step directly, so the default precision costs no context mana
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -29,6 +30,9 @@ _ALIASES: dict[Any, str] = {
     16: "16-mixed",
     "bf16-true": "bf16-true",
 }
+
+#: The parameter dtype of the precisions that train in it (``Trainer.init_module`` creates tensors in it).
+_TRUE_DTYPES = {"64-true": torch.float64, "bf16-true": torch.bfloat16}
 
 
 class Precision:
@@ -63,6 +67,20 @@ class Precision:
         if self.name == "bf16-true":
             return module.bfloat16()
         return module
+
+    @contextlib.contextmanager
+    def tensor_init_context(self) -> Iterator[None]:
+        """Floating-point tensors created inside are in this precision's parameter dtype (``*-true``)."""
+        dtype = _TRUE_DTYPES.get(self.name)
+        if dtype is None:
+            yield
+            return
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
 
     def pre_backward(self, loss: Tensor) -> Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss

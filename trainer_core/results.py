@@ -224,6 +224,11 @@ class ResultCollection:
         rank_zero_only: bool,
     ) -> None:
         """Record ``value`` under ``name``; the arguments are ``LightningModule.log``'s, in its order."""
+        whole = getattr(value, "full_tensor", None)
+        if whole is not None:
+            # A DTensor (a loss computed under loss_parallel): metrics, reductions and loggers take the
+            # whole value as a plain tensor.
+            value = whole()
         dataloader = self.name_suffix
         if dataloader and add_dataloader_idx:
             name = name + dataloader

@@ -6,10 +6,11 @@ The Trainer owns the loops, the hooks and the checkpoint format; it never touche
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
@@ -661,6 +662,18 @@ class Trainer:
         else:
             by_epochs = math.ceil(self.num_training_batches / self.accumulate_grad_batches) * self.max_epochs
         return by_epochs if self.max_steps == -1 else min(by_epochs, self.max_steps)
+
+    @contextlib.contextmanager
+    def init_module(self, empty_init: Optional[bool] = None) -> Iterator[None]:
+        """Create the module inside this to build its tensors where the plugin wants them (Lightning's name).
+
+        On this process's device, in the precision's dtype (``"bf16-true"``: bfloat16). With
+        ``empty_init=True`` sharding plugins (``FSDPPlugin``, ``ModelParallelPlugin``) create them on the
+        meta device, without memory; each rank then allocates and initialises (``reset_parameters``)
+        only its own shards when the run starts.
+        """
+        with self.plugin.tensor_init_context(empty_init), self.plugin.precision.tensor_init_context():
+            yield
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(
