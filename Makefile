@@ -33,7 +33,7 @@ stress: $(VENV)/.installed-test
 		tests/checkpoint/test_reshard_matrix.py tests/plugins/test_model_parallel.py $(PYTEST_ARGS)
 
 # Every benchmark, each side by side with its baselines; BENCH_ARGS=--quick for a short run.
-BENCHMARKS ?= import_cost overhead checkpoint ddp consolidate fsdp_checkpoint optimizer_in_backward pipeline
+BENCHMARKS ?= import_cost overhead checkpoint ddp consolidate fsdp_checkpoint optimizer_in_backward pipeline model_parallel
 bench: $(VENV)/.installed-bench
 	set -e; for b in $(BENCHMARKS); do $(PY) benchmarks/$$b.py $(BENCH_ARGS); done
 
