@@ -12,11 +12,29 @@ imports a job's model from it to compute the reference. Both folders are on ``sy
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 
 import pytest
 from s3_server import S3Server, run_s3_server
+
+
+@pytest.fixture
+def no_process_group_left_behind() -> Iterator[None]:
+    """For a test that runs a multi-process plugin in this process, at one rank.
+
+    Such a run starts a one-rank process group and sets MASTER_PORT here; later tests start jobs that
+    inherit the environment, so neither may outlive the test.
+    """
+    environ = dict(os.environ)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 @pytest.fixture(scope="session")

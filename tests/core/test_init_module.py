@@ -8,8 +8,6 @@ weights must be the ones an ordinary build draws from the same random state.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,16 +23,8 @@ INIT_SEED = 7
 
 
 @pytest.fixture(autouse=True)
-def _no_process_group_left_behind() -> Iterator[None]:
-    """An in-process FSDP run starts a one-rank process group and sets MASTER_PORT in this process."""
-    environ = dict(os.environ)
-    yield
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(environ)
+def _in_process_runs(no_process_group_left_behind: None) -> None:
+    """The FSDP runs below start a one-rank process group in this process."""
 
 
 def test_init_module_builds_on_the_device_in_the_precision_dtype() -> None:

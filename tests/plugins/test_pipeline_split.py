@@ -9,10 +9,8 @@ forward the tracer cannot split is refused before anything trains.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -200,17 +198,8 @@ class _CountSteps(Callback):
 
 
 @pytest.fixture(autouse=True)
-def _no_process_group_left_behind() -> Iterator[None]:
-    """An in-process pipeline run starts a one-rank process group and sets MASTER_PORT in this process;
-    later tests start jobs that inherit the environment, so neither may outlive the test."""
-    environ = dict(os.environ)
-    yield
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(environ)
+def _in_process_runs(no_process_group_left_behind: None) -> None:
+    """The refusals below run the pipeline in this process."""
 
 
 def _refusal(model: str) -> str:
