@@ -18,8 +18,11 @@ $(VENV)/.installed-%: setup.py
 demo: $(VENV)/.installed-demo
 	$(PY) examples/digits.py --devices 2
 
+# Two workers, one test file each at a time (module-scoped fixtures stay in one process); most tests
+# wait on child processes importing torch, so two run side by side on two cores. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The reliability suite at full size (RELIABILITY.md): 50 SIGKILL trials per kind of save and a
 # 10,000-step load run (figures in bench_results/reliability/ as JSON), then the whole resume,

@@ -38,6 +38,8 @@ _EXTRAS = {
     "test": [
         "pytest>=8",
         "pytest-timeout>=2.2",
+        # `make test` runs the files in two workers.
+        "pytest-xdist>=3.5",
         "scikit-learn>=1.3",
         "ruff>=0.5",
         # A real S3 server on loopback for object-store paths, and the client that talks to it.
