@@ -28,7 +28,12 @@ from torch.optim import Optimizer
 from trainer_core.errors import MisconfigurationException
 from trainer_core.plugins.environments import ClusterEnvironment
 from trainer_core.plugins.fsdp import FSDPPlugin
-from trainer_core.plugins.parallel import DEFAULT_TIMEOUT, clip_grads_by_total_norm, is_random_sampler
+from trainer_core.plugins.parallel import (
+    DEFAULT_TIMEOUT,
+    clip_grads_by_total_norm,
+    is_random_sampler,
+    with_distributed_sampler,
+)
 from trainer_core.plugins.parallel_dims import DATA, TENSOR, ParallelDims
 
 if TYPE_CHECKING:
@@ -183,23 +188,13 @@ class ModelParallelPlugin(FSDPPlugin):
         return self.parallel_dims.submesh(DATA).get_group()
 
     # ------------------------------------------------------------------ setup
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        # A collective: every rank builds the mesh here, before the module's configure_model uses it.
-        if self._lightning_module is not None:
-            self._lightning_module._device_mesh = self.device_mesh
-
+    # FSDPPlugin.setup_environment builds the mesh (a collective) and sets it as module.device_mesh.
     def configuring_model(self) -> contextlib.AbstractContextManager:
         return refuse_skipped_plan_entries(self._lightning_module)
 
     def setup(self, trainer: Trainer) -> None:
         check_tensor_parallel_applied(self._lightning_module, self.parallel_dims.tp, "ModelParallelPlugin")
         super().setup(trainer)
-
-    def model_to_device(self) -> None:
-        module = self._lightning_module
-        assert module is not None
-        module.to(self.root_device)
 
     # ------------------------------------------------------------------ data
     @property
@@ -210,8 +205,6 @@ class ModelParallelPlugin(FSDPPlugin):
     def process_dataloader(self, dataloader: Any, kind: str, use_distributed_sampler: bool) -> Any:
         """Each data-parallel rank its own part; the ranks of a tensor-parallel group the same batches, in the same order."""
         from torch.utils.data import DataLoader
-
-        from trainer_core.plugins.parallel import with_distributed_sampler
 
         if not use_distributed_sampler or self.world_size == 1 or not isinstance(dataloader, DataLoader):
             return dataloader
