@@ -34,6 +34,12 @@ _EXTRAS = {
     "plot": ["matplotlib>=3.5"],
     # `python -m trainer_core fit --config run.yaml`.
     "cli": ["jsonargparse[signatures]>=4.49"],
+    # self.log("acc", metric) with a torchmetrics Metric; MLFlowLogger; WandbLogger (offline works without an account).
+    "metrics": ["torchmetrics>=1.0"],
+    "mlflow": ["mlflow>=2.10"],
+    "wandb": ["wandb>=0.17"],
+    # LightningModule.to_onnx: torch's exporter needs onnx and onnxscript.
+    "onnx": ["onnx>=1.16", "onnxscript>=0.1"],
     "demo": ["scikit-learn>=1.3", "fairscale==0.4.13", "matplotlib>=3.5"],
     "test": [
         "pytest>=8",
@@ -57,6 +63,15 @@ _EXTRAS = {
         "tensorboard>=2.9",
         "matplotlib>=3.5",
         "jsonargparse[signatures]>=4.49",
+        # Lightning's surface: torchmetrics in self.log, a real MLflow tracking server on loopback, W&B offline,
+        # ONNX export, and Lightning itself to write the .ckpt files a moving project brings along and to run
+        # the same programs side by side.
+        "torchmetrics>=1.0",
+        "mlflow>=2.10",
+        "wandb>=0.17",
+        "onnx>=1.16",
+        "onnxscript>=0.1",
+        "pytorch-lightning==2.6.6",
     ],
     "bench": ["pytorch-lightning==2.6.6", "psutil>=5.9", "fairscale==0.4.13"],
 }
@@ -71,6 +86,8 @@ setup(
     packages=[
         "trainer_core",
         "trainer_core.checkpoint",
+        "trainer_core.core",
+        "trainer_core.utilities",
         "trainer_core.loggers",
         "trainer_core.plugins",
         "trainer_core.plugins.io",

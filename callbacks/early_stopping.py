@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -27,6 +28,16 @@ log = logging.getLogger("trainer_core")
 
 _MODE_OPS: dict[str, Callable[[Tensor, Any], Tensor]] = {"min": torch.lt, "max": torch.gt}
 _ORDER = {"min": "<", "max": ">"}
+
+
+class EarlyStoppingReason(Enum):
+    """Why ``EarlyStopping`` stopped the run (``EarlyStopping.stopping_reason``, Lightning's values)."""
+
+    NOT_STOPPED = 0
+    STOPPING_THRESHOLD = 1
+    DIVERGENCE_THRESHOLD = 2
+    PATIENCE_EXHAUSTED = 3
+    NON_FINITE_METRIC = 4
 
 
 class EarlyStopping(Callback):
@@ -47,6 +58,9 @@ class EarlyStopping(Callback):
         check_on_train_epoch_end: check at the end of the training epoch instead of after
             validation; ``None``: at epoch end when validation runs exactly once per epoch.
         log_rank_zero_only: with ``verbose``, log from rank 0 only.
+
+    After a stop, ``stopping_reason`` (an :class:`EarlyStoppingReason`) says why and
+    ``stopping_reason_message`` says it in words; both travel in checkpoints.
     """
 
     def __init__(
@@ -88,6 +102,10 @@ class EarlyStopping(Callback):
         self.wait_count = 0
         self.stopped_epoch = 0
         self.best_score = torch.tensor(math.inf if mode == "min" else -math.inf)
+        self.stopping_reason = EarlyStoppingReason.NOT_STOPPED
+        self.stopping_reason_message: Optional[str] = None
+        # The reason the last check found, kept until the ranks have agreed to stop.
+        self._pending_reason = EarlyStoppingReason.NOT_STOPPED
 
     @property
     def state_key(self) -> str:
@@ -119,6 +137,8 @@ class EarlyStopping(Callback):
             "stopped_epoch": self.stopped_epoch,
             "best_score": self.best_score,
             "patience": self.patience,
+            "stopping_reason": self.stopping_reason.value,
+            "stopping_reason_message": self.stopping_reason_message,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -126,6 +146,10 @@ class EarlyStopping(Callback):
         self.stopped_epoch = state_dict["stopped_epoch"]
         self.best_score = state_dict["best_score"]
         self.patience = state_dict["patience"]
+        self.stopping_reason = EarlyStoppingReason(
+            state_dict.get("stopping_reason", EarlyStoppingReason.NOT_STOPPED.value)
+        )
+        self.stopping_reason_message = state_dict.get("stopping_reason_message")
 
     # ------------------------------------------------------------------ the check
     @staticmethod
@@ -153,22 +177,28 @@ class EarlyStopping(Callback):
         trainer.should_stop = trainer.should_stop or should_stop
         if should_stop:
             self.stopped_epoch = trainer.current_epoch
+            self.stopping_reason = self._pending_reason
+            self.stopping_reason_message = reason
         if reason and self.verbose:
             self._log_info(trainer, reason)
 
     def _evaluate_stopping_criteria(self, current: Tensor) -> tuple[bool, Optional[str]]:
         best = self.best_score.to(current.dtype)
+        self._pending_reason = EarlyStoppingReason.NOT_STOPPED
         if self.check_finite and not torch.isfinite(current):
+            self._pending_reason = EarlyStoppingReason.NON_FINITE_METRIC
             return True, (
                 f"Monitored metric {self.monitor} = {float(current)} is not finite. Previous best value was "
                 f"{float(best):.3f}. Signaling Trainer to stop."
             )
         if self.stopping_threshold is not None and self.monitor_op(current, self.stopping_threshold):
+            self._pending_reason = EarlyStoppingReason.STOPPING_THRESHOLD
             return True, (
                 f"Stopping threshold reached: {self.monitor} = {float(current)} {_ORDER[self.mode]} "
                 f"{self.stopping_threshold}. Signaling Trainer to stop."
             )
         if self.divergence_threshold is not None and self.monitor_op(-current, -self.divergence_threshold):
+            self._pending_reason = EarlyStoppingReason.DIVERGENCE_THRESHOLD
             return True, (
                 f"Divergence threshold reached: {self.monitor} = {float(current)} {_ORDER[self.mode]} "
                 f"{self.divergence_threshold}. Signaling Trainer to stop."
@@ -180,6 +210,7 @@ class EarlyStopping(Callback):
             return False, reason
         self.wait_count += 1
         if self.wait_count >= self.patience:
+            self._pending_reason = EarlyStoppingReason.PATIENCE_EXHAUSTED
             return True, (
                 f"Monitored metric {self.monitor} did not improve in the last {self.wait_count} records. "
                 f"Best score: {float(best):.3f}. Signaling Trainer to stop."

@@ -332,6 +332,10 @@ class ModelCheckpoint(Callback):
             replaced += self._save_last(trainer, metrics)
         for path in replaced:
             self._remove(trainer, path)
+        if trainer.is_global_zero:
+            # Loggers that upload checkpoints (MLFlowLogger, WandbLogger with log_model) read what is kept now.
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(self)
 
     def _save_latest(self, trainer: Trainer, metrics: dict[str, Any]) -> list[str]:
         previous = self.best_model_path

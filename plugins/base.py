@@ -50,6 +50,9 @@ class TrainingTypePlugin:
     mid_accumulation_gradients_unsaved: Optional[str] = None
     #: Why this process cannot write a full checkpoint (one that resumes the run) right now, or ``None``.
     full_checkpoint_unavailable: Optional[str] = None
+    #: Whether a checkpoint's weights load only once ``setup`` has wrapped the model (its shards exist):
+    #: then the module's and callbacks' ``on_load_checkpoint`` run after ``configure_optimizers`` (Lightning's name).
+    restore_checkpoint_after_setup: bool = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> TrainingTypePlugin:
         # Checked here, once for every plugin and before any ``__init__`` runs: a misspelt name fails

@@ -52,6 +52,8 @@ class FSDPPlugin(ParallelPlugin):
     )
     # FSDP2 runs post-accumulate-grad hooks on the sharded gradient after its reduce-scatter.
     optimizer_in_backward_unsupported = None
+    # A sharded folder loads into the shards, which exist once fully_shard has run (and a meta-device model is materialised).
+    restore_checkpoint_after_setup = True
 
     def __init__(
         self,

@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from trainer_core.errors import MisconfigurationException
 from trainer_core.plugins.base import TrainingTypePlugin
 from trainer_core.plugins.environments import ClusterEnvironment, detect_environment
 from trainer_core.plugins.launchers import ScriptLauncher, SpawnLauncher
-from trainer_core.plugins.parallel_dims import ParallelDims
+from trainer_core.plugins.parallel_dims import DATA, ParallelDims
 from trainer_core.utilities import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -73,6 +74,8 @@ class ParallelPlugin(TrainingTypePlugin):
         self._num_devices = 1
         self._num_nodes = 1
         self._launcher: Any = None
+        # (parent, attribute, original layer) for each BatchNorm that sync_batchnorm replaced this run.
+        self._replaced_batch_norm: list[tuple[nn.Module, str, nn.Module]] = []
 
     # ------------------------------------------------------------------ processes
     def configure_devices(self, device_type: str, num_devices: int, num_nodes: int) -> None:
@@ -162,13 +165,21 @@ class ParallelPlugin(TrainingTypePlugin):
     def check_module_for_data_parallel(self) -> None:
         """Say, before training, where this module computes another function than one process would.
 
-        Every data-parallel plugin (DDP, ShardedDDP, ZeRO, FSDP, model parallel) calls this from its ``setup``:
-        gradients are averaged, so a module whose forward treats samples independently trains
-        exactly as one process on the combined batch; a layer that mixes samples (BatchNorm) does not.
+        Every data-parallel plugin (DDP, ShardedDDP, ZeRO, FSDP, model parallel) calls this from its ``setup``,
+        before it moves, wraps or shards the module: gradients are averaged, so a module whose forward
+        treats samples independently trains exactly as one process on the combined batch; a layer that
+        mixes samples (BatchNorm) does not, unless ``Trainer(sync_batchnorm=True)`` converts it here to
+        :class:`SyncBatchNorm` over the data-parallel ranks (undone in ``teardown``, as in Lightning).
         """
         module = self._lightning_module
-        if module is not None and self.world_size > 1:
-            warn_if_batch_norm(module, type(self).__name__, self.world_size, self._running_stats_note())
+        if module is None or self.world_size == 1:
+            return
+        trainer = self.trainer
+        dims = self.parallel_dims
+        if trainer is not None and getattr(trainer, "sync_batchnorm", False) and dims.dp > 1:
+            group = None if dims.dp == self.world_size else dims.submesh(DATA).get_group()
+            self._replaced_batch_norm += convert_sync_batch_norm(module, self.root_device.type, group)
+        warn_if_batch_norm(module, type(self).__name__, self.world_size, self._running_stats_note())
 
     def _running_stats_note(self) -> str:
         """What becomes of BatchNorm's running statistics across ranks under this plugin."""
@@ -187,6 +198,8 @@ class ParallelPlugin(TrainingTypePlugin):
 
     def teardown(self) -> None:
         super().teardown()
+        revert_sync_batch_norm(self._replaced_batch_norm)
+        self._replaced_batch_norm = []
         if self._launcher is not None and not self._launcher.children:
             self._launcher = None
 
@@ -287,12 +300,10 @@ _NAMES_SHOWN = 3
 
 def batch_norm_layers(module: nn.Module) -> list[str]:
     """Names of the layers that normalise with the statistics of the batch they see (SyncBatchNorm excluded)."""
-    from torch.nn.modules.batchnorm import _BatchNorm
-
     return [
         name or "<root>"
         for name, layer in module.named_modules()
-        if isinstance(layer, _BatchNorm) and not isinstance(layer, nn.SyncBatchNorm)
+        if isinstance(layer, _BatchNorm) and not isinstance(layer, _SYNCED)
     ]
 
 
@@ -313,11 +324,138 @@ def warn_if_batch_norm(module: nn.Module, plugin: str, world_size: int, running_
         f"{type(module).__name__} has BatchNorm layers ({shown}) and {plugin} trains it on {world_size} processes: "
         "each process normalises with the mean and variance of its own part of the batch, not of the whole "
         f"batch one process would see, so this run trains a different function than one process; "
-        f"{running_stats_note}. To normalise over the whole batch convert the module with "
-        "`torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)` (on GPUs: SyncBatchNorm does not run on CPU), "
+        f"{running_stats_note}. To normalise over the whole batch pass `Trainer(sync_batchnorm=True)` (on CPU "
+        "too; torch's `torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)` runs on GPUs only), "
         "or use a normalisation without batch statistics (LayerNorm, GroupNorm).",
         category=UserWarning,
     )
+
+
+class CPUSyncBatchNorm(_BatchNorm):
+    """What torch's ``SyncBatchNorm`` computes, on CPU (gloo), where torch's layer and DDP refuse it.
+
+    In training, each rank's layer normalises with the mean and variance of the whole batch across
+    ``process_group`` (two differentiable all-reduces: the sums, then the squared deviations from the
+    mean) and updates its running statistics with them, as one process on the whole batch would; its
+    backward sums the gradients of those statistics over the ranks. In evaluation, and on one
+    process, it is a plain BatchNorm layer of any dimension.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: Optional[Any] = None,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not self.training or not dist.is_initialized():
+            return super().forward(input)
+        group = self.process_group or dist.group.WORLD
+        if dist.get_world_size(group) == 1:
+            return super().forward(input)
+        self._check_input_dim(input)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # a cumulative average, as torch's layer
+                factor = 1.0 / float(self.num_batches_tracked)
+        dims = [0, *range(2, input.dim())]
+        shape = [1, -1] + [1] * (input.dim() - 2)
+        count = input.new_tensor([input.numel() // input.shape[1]])
+        sums = _SumOverRanks.apply(torch.cat([input.sum(dims), count]), group)
+        total = sums[-1]
+        mean = sums[:-1] / total
+        centered = input - mean.view(shape)
+        var = _SumOverRanks.apply(centered.pow(2).sum(dims), group) / total
+        output = centered * torch.rsqrt(var + self.eps).view(shape)
+        if self.affine:
+            output = output * self.weight.view(shape) + self.bias.view(shape)
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
+                unbiased = var.detach() * total / (total - 1)
+                self.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
+        return output
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """The sum of a tensor over the ranks of ``group``; its gradient is the sum of the ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        total = tensor.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
+def convert_sync_batch_norm(
+    module: nn.Module, device_type: str, process_group: Optional[Any] = None
+) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Replace every BatchNorm layer under ``module`` by a synchronised one over ``process_group``.
+
+    torch's ``SyncBatchNorm`` on GPUs, :class:`CPUSyncBatchNorm` on CPU. The new layers hold the same
+    parameters (so optimizers made later see them) and buffers. Returns (parent, attribute, original
+    layer) per replacement, for :func:`revert_sync_batch_norm`.
+    """
+    layer_class = CPUSyncBatchNorm if device_type == "cpu" else nn.SyncBatchNorm
+    replaced: list[tuple[nn.Module, str, nn.Module]] = []
+    for parent in list(module.modules()):
+        for name, layer in list(parent.named_children()):
+            if not isinstance(layer, _BatchNorm) or isinstance(layer, _SYNCED):
+                continue
+            sync = layer_class(
+                layer.num_features,
+                layer.eps,
+                layer.momentum,
+                layer.affine,
+                layer.track_running_stats,
+                process_group,
+            )
+            _move_state(layer, sync)
+            setattr(parent, name, sync)
+            replaced.append((parent, name, layer))
+    return replaced
+
+
+def revert_sync_batch_norm(replaced: list[tuple[nn.Module, str, nn.Module]]) -> None:
+    """Put the original BatchNorm layers back, holding the parameters and statistics the run reached."""
+    for parent, name, original in reversed(replaced):
+        sync = getattr(parent, name)
+        if isinstance(sync, _SYNCED):
+            _move_state(sync, original)
+            setattr(parent, name, original)
+
+
+def _move_state(source: nn.Module, target: nn.Module) -> None:
+    """``target`` takes ``source``'s parameters and buffers (the same tensors) and its train/eval mode."""
+    for key, param in source._parameters.items():
+        target._parameters[key] = param
+    for key, buffer in source._buffers.items():
+        target._buffers[key] = buffer
+    target.train(source.training)
+    if hasattr(source, "qconfig"):
+        target.qconfig = source.qconfig
+
+
+#: Layers that already normalise over every data-parallel rank.
+_SYNCED = (nn.SyncBatchNorm, CPUSyncBatchNorm)
 
 
 def _destroy_process_group() -> None:
@@ -382,9 +520,18 @@ def with_distributed_sampler(loader: DataLoader, kind: str, num_replicas: int, r
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
             drop_last=loader.drop_last if kind == "train" else False,
         )
+    return loader_with_sampler(loader, new_sampler)
+
+
+def loader_with_sampler(loader: DataLoader, sampler: Sampler) -> DataLoader:
+    """A copy of ``loader`` (batch size, workers, collate function, ...) that draws its indices from ``sampler``.
+
+    For a loader with torch's own ``BatchSampler``; the distributed split and ``Trainer(overfit_batches=...)``
+    (which turns shuffling off) build their loaders here.
+    """
     kwargs: dict[str, Any] = dict(
         batch_size=loader.batch_size,
-        sampler=new_sampler,
+        sampler=sampler,
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory,
@@ -397,6 +544,7 @@ def with_distributed_sampler(loader: DataLoader, kind: str, num_replicas: int, r
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
         kwargs["multiprocessing_context"] = loader.multiprocessing_context
+    dataset = loader.dataset
     if type(loader) is DataLoader:
         return DataLoader(dataset, **kwargs)
     if _is_stateful_loader(loader):

@@ -96,6 +96,8 @@ class PipelinePlugin(ParallelPlugin):
     """
 
     name = "pipeline"
+    # Each rank loads the weights of the stages it holds, which exist once setup has split the model.
+    restore_checkpoint_after_setup = True
     optimizer_in_backward_unsupported = (
         "the pipeline schedule runs each stage's backward once per micro-batch, so a parameter's gradient hook "
         "fires before its gradient is complete (and before data-parallel replicas average it). Use FSDPPlugin or "
@@ -455,10 +457,10 @@ class PipelinePlugin(ParallelPlugin):
             "PipelinePlugin runs training through its schedule; the loop calls forward_backward, not training_step."
         )
 
-    def validation_step(self, batch: Any, batch_idx: int, *args: Any) -> Tensor:
+    def validation_step(self, batch: Any, batch_idx: int = 0, *args: Any) -> Tensor:
         return self._eval_batch(batch, "val_loss")
 
-    def test_step(self, batch: Any, batch_idx: int, *args: Any) -> Tensor:
+    def test_step(self, batch: Any, batch_idx: int = 0, *args: Any) -> Tensor:
         return self._eval_batch(batch, "test_loss")
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:

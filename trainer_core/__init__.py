@@ -3,11 +3,13 @@
 import logging
 
 from trainer_core.__about__ import __version__
+from trainer_core.callbacks import Callback
 from trainer_core.datamodule import LightningDataModule
 from trainer_core.module import LightningModule
 from trainer_core.optim import get_lr
 from trainer_core.seed import seed_everything
 from trainer_core.trainer import Trainer
+from trainer_core.utilities import cli_lightning_logo
 
 # Messages for the user ("Seed set to 42") print by default, as Lightning's do.
 _logger = logging.getLogger(__name__)
@@ -16,4 +18,13 @@ if not _logger.handlers:
     _logger.setLevel(logging.INFO)
     _logger.propagate = False
 
-__all__ = ["LightningDataModule", "LightningModule", "Trainer", "__version__", "get_lr", "seed_everything"]
+__all__ = [
+    "Callback",
+    "LightningDataModule",
+    "LightningModule",
+    "Trainer",
+    "__version__",
+    "cli_lightning_logo",
+    "get_lr",
+    "seed_everything",
+]

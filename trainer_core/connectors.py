@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
@@ -11,20 +12,62 @@ from lightning_utilities.core.overrides import is_overridden
 from trainer_core.callbacks.base import Callback
 from trainer_core.callbacks.early_stopping import EarlyStopping
 from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
+from trainer_core.callbacks.model_summary import ModelSummary, RichModelSummary, rich_available
+from trainer_core.callbacks.prediction_writer import BasePredictionWriter
 from trainer_core.callbacks.progress import ProgressBar, TQDMProgressBar
+from trainer_core.callbacks.timer import Timer
 from trainer_core.errors import MisconfigurationException
 from trainer_core.loggers import CSVLogger, TensorBoardLogger, tensorboard_available
 from trainer_core.plugins import TrainingTypePlugin, plugin_from_name
 from trainer_core.plugins.io import CheckpointIO
-from trainer_core.utilities import as_list
+from trainer_core.utilities import as_list, rank_zero_only, rank_zero_warn
 
 _ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+_logger = logging.getLogger("trainer_core")
 
 
 def validate_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise MisconfigurationException(f"Trainer({name}={value!r}): use a positive integer.")
     return value
+
+
+def validate_non_negative_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MisconfigurationException(f"Trainer({name}={value!r}): use 0 (off) or a positive integer.")
+    return value
+
+
+def validate_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise MisconfigurationException(f"Trainer({name}={value!r}): use True or False.")
+    return value
+
+
+def configure_cudnn_benchmark(benchmark: Optional[bool], deterministic: Any) -> Optional[bool]:
+    """Set ``torch.backends.cudnn.benchmark`` as Lightning does; returns the value set (``None``: left alone).
+
+    ``None`` keeps the session's setting, except that ``deterministic=True`` turns it off: cuDNN's
+    benchmark picks algorithms by timing them, so two runs may compute differently.
+    """
+    if benchmark is not None and not isinstance(benchmark, bool):
+        raise MisconfigurationException(f"Trainer(benchmark={benchmark!r}): use True, False or None.")
+    if deterministic:
+        if benchmark is None:
+            benchmark = False
+        elif benchmark:
+            rank_zero_warn(
+                "Trainer(deterministic=True, benchmark=True): torch ignores cudnn.deterministic while "
+                "cudnn.benchmark is on, so cuDNN convolutions may still differ between runs."
+            )
+    if benchmark is not None:
+        torch.backends.cudnn.benchmark = benchmark
+    return benchmark
+
+
+def has_timer(callbacks: Any) -> bool:
+    """Whether the user's callbacks include a ``Timer`` (which then bounds the run instead of ``max_epochs``)."""
+    return any(isinstance(cb, Timer) for cb in as_list(callbacks))
 
 
 def validate_limit(name: str, value: Optional[Union[int, float]]) -> Union[int, float]:
@@ -137,9 +180,16 @@ def _name(plugin: Any) -> str:
 
 
 def configure_callbacks(
-    callbacks: Any, enable_checkpointing: bool, enable_progress_bar: bool
+    callbacks: Any,
+    enable_checkpointing: bool,
+    enable_progress_bar: bool,
+    enable_model_summary: bool = False,
+    max_time: Any = None,
 ) -> list[Callback]:
-    """The user's callbacks plus the defaults, with checkpointing callbacks last (Lightning's order)."""
+    """The user's callbacks plus the defaults, with checkpointing callbacks last (Lightning's order).
+
+    ``max_time`` adds a ``Timer`` checking after every batch, unless the user gave one.
+    """
     result = as_list(callbacks)
     for cb in result:
         if not isinstance(cb, Callback):
@@ -153,6 +203,8 @@ def configure_callbacks(
         )
     if enable_checkpointing and not has_checkpoint:
         result.append(ModelCheckpoint())
+    if max_time is not None:
+        _add_timer(result, max_time)
     has_bar = any(isinstance(cb, ProgressBar) for cb in result)
     if has_bar and not enable_progress_bar:
         raise MisconfigurationException(
@@ -160,7 +212,26 @@ def configure_callbacks(
         )
     if enable_progress_bar and not has_bar:
         result.append(TQDMProgressBar())
+    if enable_model_summary and not any(isinstance(cb, ModelSummary) for cb in result):
+        # Lightning's default: the rich table when ``rich`` is installed.
+        result.append(RichModelSummary() if rich_available() else ModelSummary())
     return _reorder(result)
+
+
+def _add_timer(callbacks: list[Callback], max_time: Any) -> None:
+    if any(isinstance(cb, Timer) for cb in callbacks):
+        if rank_zero_only.rank == 0:
+            _logger.info(
+                "Trainer(max_time=...) is ignored: `callbacks` already has a Timer, which sets the limit."
+            )
+        return
+    try:
+        callbacks.append(Timer(duration=max_time, interval="step"))
+    except MisconfigurationException as err:
+        raise MisconfigurationException(
+            f"Trainer(max_time={max_time!r}): use 'DD:HH:MM:SS' (e.g. '00:12:00:00' for 12 hours), a "
+            "datetime.timedelta, or a dict of timedelta's arguments ({'hours': 12})."
+        ) from err
 
 
 def merge_module_callbacks(
@@ -205,6 +276,12 @@ def monitoring_callbacks(callbacks: list[Callback]) -> list[Callback]:
     """Callbacks that act on logged metrics (Lightning's rule: early stopping and checkpointing), which run
     after the module's ``on_train_epoch_end`` so that they see what it logged."""
     return [cb for cb in callbacks if isinstance(cb, (EarlyStopping, ModelCheckpoint))]
+
+
+def prediction_writer_intervals(callbacks: list[Callback]) -> tuple[bool, bool]:
+    """Whether any ``BasePredictionWriter`` writes per batch, and whether any writes per epoch."""
+    writers = [cb for cb in callbacks if isinstance(cb, BasePredictionWriter)]
+    return any(w.writes_on_batch for w in writers), any(w.writes_on_epoch for w in writers)
 
 
 def progress_bar_callback(callbacks: list[Callback]) -> Optional[ProgressBar]:

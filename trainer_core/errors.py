@@ -9,3 +9,10 @@ class MisconfigurationException(Exception):
 
 class CheckpointError(Exception):
     """A checkpoint could not be written or read; the message names the file and what is wrong."""
+
+
+class _TunerExitException(Exception):
+    """Raised by a finder callback the ``Tuner`` added, once its search is done: the run ends there, cleanly.
+
+    The Trainer catches it (its teardown hooks run, nothing is reported as failed), as Lightning's does.
+    """

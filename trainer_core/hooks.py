@@ -13,6 +13,7 @@ logging defaults and to refuse logging from outside any hook.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -20,7 +21,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from lightning_utilities.core.overrides import is_overridden
 
 from trainer_core.connectors import callback_overrides
+from trainer_core.datamodule import LightningDataModule
+from trainer_core.errors import MisconfigurationException
 from trainer_core.module import LightningModule
+from trainer_core.profilers.base import Profiler, profiled
+from trainer_core.utilities import rank_zero_warn
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -47,27 +52,118 @@ BATCH_HOOKS = (
 Hook = Callable[..., Any]
 
 
+def takes_batch_idx(step: Callable[..., Any]) -> bool:
+    """Whether a step method receives ``batch_idx``: Lightning's rule, so ``training_step(self, batch)`` works.
+
+    It does when it names ``batch_idx``, takes ``*args``, or has a second positional parameter.
+    """
+    try:
+        parameters = inspect.signature(step).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: pass everything, as before
+        return True
+    positional = 0
+    for p in parameters:
+        if p.name == "batch_idx" or p.kind is p.VAR_POSITIONAL:
+            return True
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            positional += 1
+    return positional >= 2
+
+
+def check_dataloader_idx(step: Callable[..., Any], name: str, loaders: int) -> None:
+    """Refuse, before the first batch, a step that cannot take the loaders' ``dataloader_idx`` (or needs one)."""
+    try:
+        parameters = inspect.signature(step).parameters
+    except (TypeError, ValueError):
+        return
+    declared = parameters.get("dataloader_idx")
+    varargs = any(p.kind is p.VAR_POSITIONAL for p in parameters.values())
+    if loaders > 1 and declared is None and not varargs:
+        raise MisconfigurationException(
+            f"{loaders} dataloaders were given but `{name}` has no `dataloader_idx` parameter: add "
+            f"`dataloader_idx=0` to its signature to tell the loaders apart."
+        )
+    if loaders == 1 and declared is not None and declared.default is declared.empty:
+        raise MisconfigurationException(
+            f"One dataloader was given but `{name}` requires `dataloader_idx`: give it a default "
+            "(`dataloader_idx=0`) or remove it."
+        )
+
+
+def step_caller(trainer: Trainer, name: str, call: Hook) -> Hook:
+    """``call`` (the plugin's or the module's step ``name``) as the loops call it: ``(batch, batch_idx, *dataloader_idx)``.
+
+    When the module's step does not take ``batch_idx``, the index is dropped here, once per run; the
+    plugin's step passes the rest on to the module unchanged.
+    """
+    module = trainer.lightning_module
+    if takes_batch_idx(getattr(module, name)):
+        return call
+
+    def without_batch_idx(batch: Any, batch_idx: int, *dataloader_idx: int) -> Any:
+        return call(batch, *dataloader_idx)
+
+    return without_batch_idx
+
+
+BATCH_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+
+
+def batch_transfer_hooks(
+    module: LightningModule, datamodule: Optional[LightningDataModule], warn: bool = True
+) -> Optional[tuple[Hook, Hook, Hook]]:
+    """The three batch-transfer hooks of a run, or ``None`` when neither the module nor the data module overrides one.
+
+    Each is the data module's where it overrides it, else the module's (Lightning's rule, hook by
+    hook). Defining one in both is allowed; the data module's wins, with a warning.
+    """
+    chosen: list[Hook] = []
+    overridden = False
+    for name in BATCH_TRANSFER_HOOKS:
+        in_module = is_overridden(name, module, LightningModule)
+        in_data = datamodule is not None and is_overridden(name, datamodule, LightningDataModule)
+        if in_module and in_data and warn:
+            rank_zero_warn(
+                f"`{name}` is defined by both {type(module).__name__} and {type(datamodule).__name__}; the data "
+                "module's is used. Delete one of them to silence this."
+            )
+        overridden = overridden or in_module or in_data
+        chosen.append(getattr(datamodule if in_data else module, name))
+    return (chosen[0], chosen[1], chosen[2]) if overridden else None
+
+
+def _action_name(hook: Hook) -> str:
+    """Lightning's profiler name of a bound hook: ``[LightningModule]MyModule.name`` or ``[LightningDataModule]...``."""
+    owner = hook.__self__  # type: ignore[attr-defined]
+    kind = "LightningModule" if isinstance(owner, LightningModule) else "LightningDataModule"
+    return f"[{kind}]{type(owner).__name__}.{hook.__name__}"
+
+
 class BatchHooks:
     """Per-run tuples of the callables each batch-level hook must run."""
 
     __slots__ = (*BATCH_HOOKS, "batch_transfer", "optimizer_step", "optimizer_zero_grad")
 
     def __init__(self, trainer: Trainer, module: LightningModule, callbacks: list[Callback]) -> None:
+        # With a profiler on, each callable is wrapped once here under Lightning's action name.
+        profiler = trainer.hook_runner.profiler
         for name in BATCH_HOOKS:
-            fns: list[Hook] = [
-                partial(getattr(cb, name), trainer, module)
+            named: list[tuple[str, Hook]] = [
+                (f"[Callback]{cb.state_key}.{name}", partial(getattr(cb, name), trainer, module))
                 for cb in callbacks
                 if callback_overrides(cb, name)
             ]
             if is_overridden(name, module, LightningModule):
-                fns.append(getattr(module, name))
+                named.append((f"[LightningModule]{type(module).__name__}.{name}", getattr(module, name)))
+            fns = [fn if profiler is None else profiled(profiler, action, fn) for action, fn in named]
             setattr(self, name, tuple(fns))
-        # The batch moves to the device through the module's hooks only when the user changed
-        # one of them; otherwise the plugin moves it (and not at all on the CPU).
-        self.batch_transfer = any(
-            is_overridden(name, module, LightningModule)
-            for name in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
-        )
+        # The batch moves to the device through the user's hooks only when the module or the data
+        # module changed one of them; otherwise the plugin moves it (and not at all on the CPU).
+        self.batch_transfer = batch_transfer_hooks(module, trainer.datamodule)
+        if profiler is not None and self.batch_transfer is not None:
+            self.batch_transfer = tuple(  # type: ignore[assignment]
+                profiled(profiler, _action_name(fn), fn) for fn in self.batch_transfer
+            )
         self.optimizer_step = is_overridden("optimizer_step", module, LightningModule)
         self.optimizer_zero_grad = is_overridden("optimizer_zero_grad", module, LightningModule)
 
@@ -80,11 +176,13 @@ class HookRunner:
     set when a run starts.
     """
 
-    __slots__ = ("_trainer", "after_closure", "batch", "current_fx")
+    __slots__ = ("_trainer", "after_closure", "batch", "current_fx", "profiler")
 
     def __init__(self, trainer: Trainer) -> None:
         self._trainer = trainer
         self.current_fx: Optional[str] = None
+        # The run's profiler when one records (``Trainer(profiler=...)``), else ``None``: set per run.
+        self.profiler: Optional[Profiler] = None
         self.batch: Optional[BatchHooks] = None
         self.after_closure: Optional[Callable[[Optimizer], None]] = None
 
@@ -94,7 +192,10 @@ class HookRunner:
         assert module is not None
         previous, self.current_fx = self.current_fx, name
         try:
-            return getattr(module, name)(*args, **kwargs)
+            if self.profiler is None:
+                return getattr(module, name)(*args, **kwargs)
+            with self.profiler.profile(f"[LightningModule]{type(module).__name__}.{name}"):
+                return getattr(module, name)(*args, **kwargs)
         finally:
             self.current_fx = previous
 
@@ -104,10 +205,23 @@ class HookRunner:
         module = trainer.lightning_module
         previous, self.current_fx = self.current_fx, name
         try:
+            profiler = self.profiler
             for cb in trainer.callbacks:
-                getattr(cb, name)(trainer, module, *args, **kwargs)
+                if profiler is None:
+                    getattr(cb, name)(trainer, module, *args, **kwargs)
+                else:
+                    with profiler.profile(f"[Callback]{cb.state_key}.{name}"):
+                        getattr(cb, name)(trainer, module, *args, **kwargs)
         finally:
             self.current_fx = previous
+
+    def call_callback(self, cb: Callback, name: str, *args: Any) -> Any:
+        """One callback's hook ``name``, for a loop that picks which callbacks run (it sets ``current_fx``)."""
+        trainer = self._trainer
+        if self.profiler is None:
+            return getattr(cb, name)(trainer, trainer.lightning_module, *args)
+        with self.profiler.profile(f"[Callback]{cb.state_key}.{name}"):
+            return getattr(cb, name)(trainer, trainer.lightning_module, *args)
 
     def call(self, name: str, *args: Any) -> None:
         """A non-batch hook on every callback, then on the module (Lightning's order)."""

@@ -52,13 +52,17 @@ class Metrics:
     def publish_epoch(
         self, results: ResultCollection, log: bool, step: Optional[int] = None
     ) -> dict[str, Any]:
-        """Compute a stage's epoch aggregates, expose them to callbacks and send them to the loggers."""
+        """Compute a stage's epoch aggregates, expose them to callbacks and send them to the loggers.
+
+        Returns the values for the loggers, under their logged names (``val_loss_epoch`` for a metric
+        logged per step and per epoch): what ``validate()``/``test()`` return, as in Lightning.
+        """
         callback, logged, pbar = results.epoch_metrics()
         self.callback.update(callback)
         self.progress_bar.update({k: to_float(v) for k, v in pbar.items()})
         if log and logged:
             self.log(logged, self._trainer.progress.batches_that_stepped if step is None else step)
-        return callback
+        return logged
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Send ``metrics`` to every logger at ``step`` (with the epoch), and record them as logged."""

@@ -7,9 +7,11 @@ the user (or a subclass of ours) overrides it, unless the default does real work
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
@@ -17,6 +19,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainer_core.errors import MisconfigurationException
+from trainer_core.results import dict_items
 from trainer_core.utilities import AttributeDict, move_data_to_device, rank_zero_only
 
 if TYPE_CHECKING:
@@ -29,6 +32,29 @@ if TYPE_CHECKING:
 class LightningModule(nn.Module):
     """A ``torch.nn.Module`` that knows how to train, validate, test and predict itself."""
 
+    # Properties TorchScript must not compile (``to_torchscript``): they reach the Trainer or hold
+    # Python objects. Every property of this class is listed; a subclass adds its own.
+    __jit_unused_properties__: list[str] = [
+        "trainer",
+        "device_mesh",
+        "automatic_optimization",
+        "device",
+        "dtype",
+        "current_epoch",
+        "global_step",
+        "global_rank",
+        "local_rank",
+        "on_gpu",
+        "logger",
+        "loggers",
+        "hparams",
+        "hparams_initial",
+        "example_input_array",
+        "strict_loading",
+    ]
+    # True while ``to_torchscript`` compiles: TorchScript reads every attribute, ``trainer`` included.
+    _jit_is_scripting = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._trainer: Optional[Trainer] = None
@@ -36,11 +62,13 @@ class LightningModule(nn.Module):
         self._hparams: AttributeDict = AttributeDict()
         self._hparams_initial: AttributeDict = AttributeDict()
         self._log_hyperparams = True
+        self._example_input_array: Optional[Union[Tensor, tuple, dict]] = None
+        self._strict_loading: Optional[bool] = None
 
     # ------------------------------------------------------------------ trainer-facing attributes
     @property
     def trainer(self) -> Trainer:
-        if self._trainer is None:
+        if self._trainer is None and not LightningModule._jit_is_scripting:
             raise RuntimeError(f"{type(self).__qualname__} is not attached to a `Trainer`.")
         return self._trainer
 
@@ -115,7 +143,8 @@ class LightningModule(nn.Module):
 
     @property
     def hparams_initial(self) -> AttributeDict:
-        return AttributeDict(self._hparams_initial)
+        """The hyper-parameters as ``save_hyperparameters`` stored them: a copy, unchanged by edits of ``hparams``."""
+        return copy.deepcopy(self._hparams_initial)
 
     def save_hyperparameters(
         self,
@@ -127,14 +156,148 @@ class LightningModule(nn.Module):
         """Store the arguments of the calling ``__init__`` in ``self.hparams``.
 
         With no arguments every init argument is kept; with names, only those; with one dict or
-        ``argparse.Namespace``, that object's items.
+        ``argparse.Namespace``, that object's items. A second call adds to what the first stored
+        (a subclass's call after its parent's), and ``ignore`` also drops names stored before.
         """
         self._log_hyperparams = logger
         if frame is None:
             frame = inspect.currentframe().f_back  # type: ignore[union-attr]
-        hparams = select_hyperparameters(self, args, ignore, frame, nn.Module)
-        self._hparams = AttributeDict(hparams)
-        self._hparams_initial = AttributeDict(hparams)
+        store_hyperparameters(self, args, ignore, frame, nn.Module)
+
+    # ------------------------------------------------------------------ export
+    @property
+    def example_input_array(self) -> Optional[Union[Tensor, tuple, dict]]:
+        """An input for ``forward``: a tensor (``self(x)``), a tuple (``self(*x)``) or a dict (``self(**x)``).
+
+        ``ModelSummary`` reports the layers' input and output sizes for it, and ``to_onnx`` and
+        ``to_torchscript(method="trace")`` trace with it when given no input of their own.
+        """
+        return self._example_input_array
+
+    @example_input_array.setter
+    def example_input_array(self, example: Optional[Union[Tensor, tuple, dict]]) -> None:
+        self._example_input_array = example
+
+    @property
+    def strict_loading(self) -> bool:
+        """Whether loading a checkpoint requires its weights to name exactly this module's (default ``True``).
+
+        Set it to ``False`` in ``__init__`` for a module whose checkpoints leave parts out on purpose (a
+        frozen pretrained backbone that ``state_dict`` skips); ``Trainer.fit(ckpt_path=...)`` and
+        ``load_from_checkpoint`` then load the names both have. Shapes must still agree.
+        """
+        return self._strict_loading in (None, True)
+
+    @strict_loading.setter
+    def strict_loading(self, strict_loading: bool) -> None:
+        self._strict_loading = strict_loading
+
+    def _batch_transfer_hooks(self) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+        """The three batch-transfer hooks the Trainer would use: the data module's where it overrides one."""
+        from trainer_core.hooks import batch_transfer_hooks
+
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        chosen = batch_transfer_hooks(self, datamodule, warn=False)
+        return chosen or (
+            self.on_before_batch_transfer,
+            self.transfer_batch_to_device,
+            self.on_after_batch_transfer,
+        )
+
+    def _on_before_batch_transfer(self, batch: Any, dataloader_idx: int = 0) -> Any:
+        """``on_before_batch_transfer`` of whoever the Trainer would ask (Lightning's name, for summaries and export)."""
+        return self._batch_transfer_hooks()[0](batch, dataloader_idx)
+
+    def _apply_batch_transfer_handler(
+        self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0
+    ) -> Any:
+        """``transfer_batch_to_device`` (to ``device``, by default this module's) then ``on_after_batch_transfer``."""
+        _, transfer, after = self._batch_transfer_hooks()
+        batch = transfer(batch, device or self.device, dataloader_idx)
+        return after(batch, dataloader_idx)
+
+    def _example_on_device(self, example: Any) -> Any:
+        return self._apply_batch_transfer_handler(self._on_before_batch_transfer(example))
+
+    @torch.no_grad()
+    def to_torchscript(
+        self,
+        file_path: Optional[Union[str, os.PathLike]] = None,
+        method: Optional[str] = "script",
+        example_inputs: Optional[Any] = None,
+        **kwargs: Any,
+    ) -> Union[torch.jit.ScriptModule, dict[str, torch.jit.ScriptModule]]:
+        """This module compiled by ``torch.jit.script`` (default) or ``torch.jit.trace`` (``method="trace"``), in eval mode.
+
+        Tracing runs ``forward`` on ``example_inputs`` (default: :attr:`example_input_array`), moved
+        by the batch-transfer hooks as a batch would be. ``kwargs`` go to ``torch.jit.script`` /
+        ``torch.jit.trace``. With ``file_path`` the result is also saved there (``torch.jit.save``;
+        any fsspec URL). The module's own train/eval mode is left as it was.
+        """
+        mode = self.training
+        LightningModule._jit_is_scripting = True
+        try:
+            if method == "script":
+                scripted = torch.jit.script(self.eval(), **kwargs)
+            elif method == "trace":
+                if example_inputs is None:
+                    if self.example_input_array is None:
+                        raise ValueError(
+                            f"{type(self).__name__}.to_torchscript(method='trace') needs an input to trace with: "
+                            "pass `example_inputs=` or set `self.example_input_array`."
+                        )
+                    example_inputs = self.example_input_array
+                if kwargs.get("check_inputs") is not None:
+                    kwargs["check_inputs"] = self._example_on_device(kwargs["check_inputs"])
+                example_inputs = self._example_on_device(example_inputs)
+                scripted = torch.jit.trace(func=self.eval(), example_inputs=example_inputs, **kwargs)
+            else:
+                raise ValueError(
+                    f"{type(self).__name__}.to_torchscript(method={method!r}): use 'script' or 'trace'."
+                )
+        finally:
+            LightningModule._jit_is_scripting = False
+            self.train(mode)
+        if file_path is not None:
+            from trainer_core import paths
+
+            fs, path = paths.resolve(os.fspath(file_path))
+            with fs.open(path, "wb") as f:
+                torch.jit.save(scripted, f)
+        return scripted
+
+    @torch.no_grad()
+    def to_onnx(
+        self,
+        file_path: Union[str, os.PathLike, Any, None] = None,
+        input_sample: Optional[Any] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Export this module to ONNX with ``torch.onnx.export`` (``kwargs`` go to it); returns what it returns.
+
+        ``input_sample`` (default: :attr:`example_input_array`) is moved by the batch-transfer hooks
+        as a batch would be. The module is exported in eval mode (Lightning exports it in the mode
+        it is in, which bakes training-mode dropout into the graph) and its mode is restored after.
+        The exporter of this torch needs the packages ``onnx`` and ``onnxscript``, an optional
+        extra: one clear error names them when they are missing.
+        """
+        _require_onnx_exporter(type(self).__name__)
+        if input_sample is None:
+            if self.example_input_array is None:
+                raise ValueError(
+                    f"{type(self).__name__}.to_onnx() needs an input to trace with: pass `input_sample=` or set "
+                    "`self.example_input_array`."
+                )
+            input_sample = self.example_input_array
+        input_sample = self._example_on_device(input_sample)
+        if isinstance(file_path, os.PathLike):
+            file_path = os.fspath(file_path)
+        mode = self.training
+        try:
+            # In eval mode, as ``to_torchscript`` does: an exported graph serves inference (dropout off).
+            return torch.onnx.export(self.eval(), input_sample, file_path, **kwargs)
+        finally:
+            self.train(mode)
 
     # ------------------------------------------------------------------ logging
     def log(
@@ -162,14 +325,14 @@ class LightningModule(nn.Module):
         ``torch.distributed`` group). With several evaluation dataloaders ``/dataloader_idx_N`` is
         appended to ``name`` unless ``add_dataloader_idx=False``; then each dataloader needs a name
         of its own. ``rank_zero_only=True`` (logged on rank 0 alone) is never reduced.
+
+        ``value`` may be a ``torchmetrics.Metric``: its step value is what its last ``forward``
+        returned, its epoch value its ``compute()`` (synced across processes by the metric itself,
+        so ``sync_dist`` does not apply), and it is ``reset()`` after each epoch, as in Lightning.
+        ``metric_attribute`` is accepted and not needed: Lightning uses it to find the metric again
+        when restoring its logging state, which trainer-core does not keep in checkpoints, so a
+        metric need not be an attribute of the module either.
         """
-        if metric_attribute is not None:
-            raise MisconfigurationException(
-                f"self.log({name!r}, ..., metric_attribute={metric_attribute!r}): metric_attribute names the "
-                "torchmetrics.Metric to re-find when a Metric object is logged, and only numbers and scalar tensors "
-                "are logged here. Log the metric's value (e.g. `self.log(name, metric.compute())` in the epoch-end "
-                "hook, then `metric.reset()`) and drop metric_attribute."
-            )
         trainer = self._trainer
         if trainer is None:
             return
@@ -214,8 +377,8 @@ class LightningModule(nn.Module):
         batch_size: Optional[int] = None,
         rank_zero_only: bool = False,
     ) -> None:
-        """``self.log`` for every item of ``dictionary``, with the same options."""
-        for name, value in dictionary.items():
+        """``self.log`` for every item of ``dictionary`` (a mapping or a ``torchmetrics.MetricCollection``), with the same options."""
+        for name, value in dict_items(dictionary):
             self.log(
                 name,
                 value,
@@ -329,6 +492,15 @@ class LightningModule(nn.Module):
             param.requires_grad = requires_grad
         self._param_requires_grad_state = {}
 
+    @contextlib.contextmanager
+    def toggled_optimizer(self, optimizer: Union[Optimizer, LightningOptimizer]) -> Iterator[None]:
+        """``toggle_optimizer`` for the ``with`` block, ``untoggle_optimizer`` after it (even if it raised)."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
+
     def clip_gradients(
         self,
         optimizer: Union[Optimizer, LightningOptimizer],
@@ -425,12 +597,16 @@ class LightningModule(nn.Module):
         map_location: Any = None,
         hparams_file: Any = None,
         strict: Optional[bool] = None,
+        weights_only: Optional[bool] = None,
         **kwargs: Any,
     ) -> LightningModule:
         """Build the module from the checkpoint's hyper-parameters and load its weights.
 
         ``hparams_file`` (``.yaml``/``.yml``, or Lightning's ``.csv`` of ``key,value`` rows) replaces
         the checkpoint's value of every hyper-parameter it names; ``kwargs`` override both.
+        ``strict`` defaults to :attr:`strict_loading`. ``weights_only`` is accepted for Lightning's
+        signature only: a checkpoint is always read without running code from it (a class of your
+        own in it loads once registered with ``register_safe_globals``).
         """
         from trainer_core.checkpoint.restore import load_module_from_checkpoint
 
@@ -507,6 +683,26 @@ class LightningModule(nn.Module):
         for param in self.parameters():
             param.requires_grad = True
         self.train()
+
+
+ONNX_INSTALL_HINT = "pip install onnx onnxscript"
+
+
+def _require_onnx_exporter(owner: str) -> None:
+    """Fail once, naming what to install, where ``torch.onnx.export`` would fail deep inside the exporter."""
+    import importlib
+
+    missing = []
+    for package in ("onnx", "onnxscript"):
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            missing.append(package)
+    if missing:
+        raise ModuleNotFoundError(
+            f"{owner}.to_onnx() needs the ONNX exporter's packages {missing}, which are not installed: "
+            f"`{ONNX_INSTALL_HINT}`."
+        )
 
 
 def _load_hparams_file(hparams_file: Any) -> dict[str, Any]:
@@ -607,6 +803,68 @@ def select_hyperparameters(
     for name in [ignore] if isinstance(ignore, str) else list(ignore or []):
         hparams.pop(name, None)
     return hparams
+
+
+def store_hyperparameters(
+    owner: Any,
+    args: Sequence[Any],
+    ignore: Optional[Union[Sequence[str], str]],
+    frame: Any,
+    owner_type: type,
+) -> None:
+    """``owner.save_hyperparameters(...)`` for a module or a data module, with Lightning's rules.
+
+    What is selected is added to ``owner.hparams`` (a later call extends an earlier one); names in
+    ``ignore`` are also removed from what was stored before, so a subclass can drop its parent's.
+    ``hparams_initial`` becomes a deep copy, so later edits of ``hparams`` do not change it.
+    """
+    if len(args) == 1 and not isinstance(args[0], str) and not args[0]:
+        return  # an empty dict or Namespace: nothing to store (Lightning's rule)
+    selected = select_hyperparameters(owner, args, ignore, frame, owner_type)
+    owner._hparams_name = _hparams_name(args, frame, owner_type)
+    stored = owner.hparams
+    stored.update(selected)
+    for name in [ignore] if isinstance(ignore, str) else list(ignore or []):
+        stored.pop(name, None)
+    modules = [name for name, value in stored.items() if isinstance(value, nn.Module)]
+    if modules:
+        from trainer_core.utilities import rank_zero_warn
+
+        rank_zero_warn(
+            f"save_hyperparameters: {modules} are nn.Module objects, which the checkpoint keeps as weights already "
+            f"and not as hyper-parameters; leave them out with `self.save_hyperparameters(ignore={modules})`."
+        )
+    try:
+        owner._hparams_initial = copy.deepcopy(stored)
+    except Exception:  # an object that cannot be copied (a lock, a generator): share it instead
+        owner._hparams_initial = AttributeDict(stored)
+
+
+def _hparams_name(args: Sequence[Any], frame: Any, owner_type: type) -> Optional[str]:
+    """The ``__init__`` argument that held the one dict given to ``save_hyperparameters`` (Lightning's ``hparams_name``).
+
+    Loading passes the stored hyper-parameters back under that name (``cls(hparams={...})``)
+    instead of spreading them, so ``__init__(self, hparams)`` modules load from their checkpoints.
+    """
+    if not (len(args) == 1 and not isinstance(args[0], str)):
+        return None
+    for name, value in _collect_init_args(frame, owner_type).items():
+        if value is args[0]:
+            return name
+    return None
+
+
+def hparams_argument(cls: type, name: Optional[str]) -> Optional[str]:
+    """``name`` if it is a named ``__init__`` argument of ``cls`` (where a checkpoint's ``hparams_name`` goes), else ``None``.
+
+    Lightning writes ``"kwargs"`` when ``save_hyperparameters()`` took every argument: that names
+    no single argument, so ``*args``/``**kwargs`` never count.
+    """
+    if not name:
+        return None
+    parameter = inspect.signature(cls.__init__).parameters.get(name)
+    named = parameter is not None and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+    return name if named and name != "self" else None
 
 
 def _collect_init_args(frame: Any, owner_type: type = nn.Module) -> dict[str, Any]:

@@ -8,6 +8,7 @@ logger, the progress bar or a callback actually reads the metrics.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
@@ -73,6 +74,7 @@ class LoggedMetric:
         "step_value",
         "sync",
         "sync_group",
+        "torchmetric",
         "total",
     )
 
@@ -106,6 +108,9 @@ class LoggedMetric:
         self.count = 0
         self.epoch_value: Any = None
         self.batch_size_given = False
+        # A torchmetrics ``Metric`` logged as the value: it accumulates and syncs itself; ``count``
+        # then counts the logs since its last reset.
+        self.torchmetric: Any = None
 
     @property
     def forked(self) -> bool:
@@ -128,6 +133,8 @@ class LoggedMetric:
             self.count += 1
 
     def compute_epoch(self, plugin: Optional[TrainingTypePlugin]) -> Any:
+        if self.torchmetric is not None:
+            return self._compute_torchmetric()
         if self.total is None:
             return self.epoch_value
         total, count = self.total, self.count
@@ -141,8 +148,48 @@ class LoggedMetric:
         self.epoch_value = value
         return value
 
+    def _compute_torchmetric(self) -> Any:
+        """``metric.compute()``: the metric's own value over the epoch, synced across ranks by the metric.
+
+        torchmetrics caches the result until the next update, so the several reads at an epoch's end
+        sync once.
+        """
+        if self.count == 0:
+            return self.epoch_value
+        value = self.torchmetric.compute()
+        if not isinstance(value, Tensor) or value.numel() != 1:
+            shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise MisconfigurationException(
+                f"self.log({self.name!r}, metric) in `{self.fx}`: `{type(self.torchmetric).__name__}.compute()` "
+                f"returned {shape}, not a scalar tensor; log a metric that computes one number (e.g. "
+                "average='micro'/'macro'), or log its parts with self.log_dict."
+            )
+        self.epoch_value = value.detach()
+        return self.epoch_value
+
 
 _SYNC_OP = {"mean": "sum", "sum": "sum", "max": "max", "min": "min"}
+
+
+def is_torchmetric(value: Any) -> bool:
+    """Whether ``value`` is a ``torchmetrics.Metric``, without importing torchmetrics (it cannot be one if unimported)."""
+    torchmetrics = sys.modules.get("torchmetrics")
+    return torchmetrics is not None and isinstance(value, torchmetrics.Metric)
+
+
+def dict_items(dictionary: Any) -> Any:
+    """The ``(name, value)`` pairs ``self.log_dict`` logs: a ``MetricCollection``'s metrics by their prefixed names.
+
+    A collection's compute groups share state between members; ``copy_state=False`` keeps that
+    sharing, so every member computes from the one update (Lightning reads them the same way).
+    """
+    if isinstance(dictionary, Mapping):
+        return dictionary.items()
+    torchmetrics = sys.modules.get("torchmetrics")
+    if torchmetrics is not None and isinstance(dictionary, torchmetrics.MetricCollection):
+        return dictionary.items(keep_base=False, copy_state=False)
+    return dictionary.items()
+
 
 #: What ``self.log`` appends to a name logged while dataloader N of several runs (Lightning's naming).
 DATALOADER_SUFFIX = "/dataloader_idx_{}"
@@ -249,6 +296,9 @@ class ResultCollection:
                 sync_dist_group,
                 dataloader,
             )
+        if metric.torchmetric is not None:
+            self._log_torchmetric(metric, value)
+            return
         if isinstance(value, Tensor):
             if not enable_graph and value.requires_grad:
                 value = value.detach()
@@ -256,6 +306,11 @@ class ResultCollection:
                 raise MisconfigurationException(
                     f"self.log({name!r}, ...) in `{fx}` got a tensor of shape {tuple(value.shape)}; log a scalar."
                 )
+        elif not isinstance(value, (int, float)):
+            raise MisconfigurationException(
+                f"self.log({name!r}, value) in `{fx}` got a {type(value).__name__} where this epoch logged numbers "
+                "under that name; give the metric object a name of its own."
+            )
         if metric.on_step:
             if metric.sync and self.plugin is not None and self.plugin.world_size > 1:
                 value = _reduce(self.plugin, value, metric.reduce_fx, metric.sync_group)
@@ -263,6 +318,42 @@ class ResultCollection:
             self.step_dirty = True
         if metric.on_epoch:
             metric.accumulate(value, batch_size if batch_size is not None else self._current_batch_size())
+
+    def _log_torchmetric(self, metric: LoggedMetric, value: Any) -> None:
+        """A ``Metric`` logged: its step value is what its last ``forward`` returned; the epoch value is its ``compute()``.
+
+        The metric holds its own state, so nothing is accumulated here; a ``metric.update()`` without
+        ``forward`` leaves no step value, as in Lightning.
+        """
+        if value is not metric.torchmetric:
+            given = "another Metric object" if is_torchmetric(value) else f"a {type(value).__name__}"
+            raise MisconfigurationException(
+                f"self.log({metric.name!r}, ...) in `{metric.fx}` got {given} where this epoch logged the "
+                f"`{type(metric.torchmetric).__name__}` object under that name; log each metric object under a "
+                "name of its own."
+            )
+        metric.count += 1
+        if metric.on_step:
+            cache = value._forward_cache
+            if isinstance(cache, Tensor):
+                if cache.numel() != 1:
+                    raise MisconfigurationException(
+                        f"self.log({metric.name!r}, metric) in `{metric.fx}`: the metric's forward returned a tensor "
+                        f"of shape {tuple(cache.shape)}; log a metric that computes one number."
+                    )
+                metric.step_value = cache.detach()
+                self.step_dirty = True
+
+    def reset_torchmetrics(self) -> None:
+        """``reset()`` every torchmetrics ``Metric`` logged: the end of its epoch (Lightning resets them there too).
+
+        The epoch value computed before stays readable; the next epoch starts the metric afresh, and a
+        metric logged ``on_step`` only does not keep growing state over the run.
+        """
+        for metric in self.metrics.values():
+            if metric.torchmetric is not None and metric.count:
+                metric.torchmetric.reset()
+                metric.count = 0
 
     def _register(
         self,
@@ -282,9 +373,16 @@ class ResultCollection:
             raise MisconfigurationException(
                 f"self.log({name!r}, ...) is not supported in `{fx}`: prediction logs nothing."
             )
-        if not isinstance(value, (Tensor, int, float)) or isinstance(value, bool):
+        torchmetric = is_torchmetric(value)
+        if not torchmetric and (not isinstance(value, (Tensor, int, float)) or isinstance(value, bool)):
+            hint = (
+                "; log a MetricCollection with self.log_dict"
+                if type(value).__name__ == "MetricCollection"
+                else ""
+            )
             raise MisconfigurationException(
-                f"self.log({name!r}, value) in `{fx}` got a {type(value).__name__}; log a number or a scalar tensor."
+                f"self.log({name!r}, value) in `{fx}` got a {type(value).__name__}; log a number, a scalar tensor or "
+                f"a torchmetrics Metric{hint}."
             )
         existing = self.metrics.get(name)
         if existing is not None and existing.fx != fx:
@@ -309,9 +407,14 @@ class ResultCollection:
             raise MisconfigurationException(
                 f"self.log({name!r}, reduce_fx={reduce_fx!r}) is not supported; use 'mean', 'sum', 'max' or 'min'."
             )
+        if torchmetric:
+            # The metric syncs its own state in ``compute()`` (torchmetrics' dist_sync); sync_dist is not used.
+            sync = False
         metric = LoggedMetric(
             fx, name, prog_bar, logger, on_step, on_epoch, _REDUCE_FX[reduce_fx], sync, sync_group, dataloader
         )
+        if torchmetric:
+            metric.torchmetric = value
         self.metrics[name] = metric
         return metric
 

@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 
 _MAX_SEED = np.iinfo(np.uint32).max
 
@@ -18,11 +18,17 @@ def seed_everything(seed: Optional[int] = None, workers: bool = False, verbose: 
     """Seed Python's, NumPy's and torch's generators and export the seed to child processes.
 
     ``workers=True`` also sets ``PL_SEED_WORKERS`` so that DataLoader workers are seeded from
-    the global seed, as in Lightning. Returns the seed used.
+    the global seed, as in Lightning. Without ``seed``: ``PL_GLOBAL_SEED``, else 0 with a warning
+    (Lightning's rule). Returns the seed used.
     """
     if seed is None:
         env = os.environ.get("PL_GLOBAL_SEED")
-        seed = int(env) if env is not None else random.randint(0, _MAX_SEED)
+        if env is None:
+            # Lightning's rule (2.x): no seed given anywhere means 0, said out loud, so two runs agree.
+            seed = 0
+            rank_zero_warn(f"seed_everything(): no seed given and no PL_GLOBAL_SEED set; seed set to {seed}.")
+        else:
+            seed = int(env)
     seed = int(seed)
     if not 0 <= seed <= _MAX_SEED:
         raise ValueError(f"seed_everything(seed={seed}): the seed must be in [0, {_MAX_SEED}].")

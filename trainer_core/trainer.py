@@ -11,6 +11,7 @@ import logging
 import math
 import os
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
@@ -24,21 +25,26 @@ from trainer_core.connectors import (
     callback_overrides,
     checkpoint_callbacks,
     configure_callbacks,
+    configure_cudnn_benchmark,
     configure_loggers,
+    has_timer,
     merge_module_callbacks,
     progress_bar_callback,
     select_plugin,
+    validate_bool,
     validate_limit,
+    validate_non_negative_int,
     validate_positive_int,
 )
 from trainer_core.datamodule import LightningDataModule
-from trainer_core.errors import MisconfigurationException
+from trainer_core.errors import MisconfigurationException, _TunerExitException
 from trainer_core.hooks import BatchHooks, HookRunner
 from trainer_core.loops import FitLoop, Progress, run_evaluation, run_predict
 from trainer_core.metrics import Metrics
 from trainer_core.module import LightningModule
 from trainer_core.optim import LightningOptimizer, LRSchedulerConfig
 from trainer_core.precision import Precision
+from trainer_core.profilers import Profiler, is_active, resolve_profiler
 from trainer_core.utilities import rank_zero_only, rank_zero_warn
 
 if TYPE_CHECKING:
@@ -68,10 +74,12 @@ class Trainer:
         min_epochs: Optional[int] = None,
         max_steps: int = -1,
         min_steps: Optional[int] = None,
+        max_time: Optional[Union[str, timedelta, dict[str, int]]] = None,
         limit_train_batches: Optional[Union[int, float]] = None,
         limit_val_batches: Optional[Union[int, float]] = None,
         limit_test_batches: Optional[Union[int, float]] = None,
         limit_predict_batches: Optional[Union[int, float]] = None,
+        overfit_batches: Union[int, float] = 0.0,
         val_check_interval: Optional[Union[int, float]] = None,
         check_val_every_n_epoch: Optional[int] = 1,
         num_sanity_val_steps: Optional[int] = None,
@@ -83,10 +91,15 @@ class Trainer:
         gradient_clip_val: Optional[Union[int, float]] = None,
         gradient_clip_algorithm: Optional[str] = None,
         deterministic: Optional[bool] = None,
+        benchmark: Optional[bool] = None,
         inference_mode: bool = True,
         use_distributed_sampler: bool = True,
+        detect_anomaly: bool = False,
+        sync_batchnorm: bool = False,
+        reload_dataloaders_every_n_epochs: int = 0,
         default_root_dir: Optional[Union[str, os.PathLike]] = None,
         optimizer_in_backward: bool = False,
+        profiler: Optional[Union[Profiler, str]] = None,
     ) -> None:
 
         self.plugin = select_plugin(accelerator, strategy, devices, num_nodes, plugins)
@@ -110,9 +123,17 @@ class Trainer:
             max_steps, max_epochs, num_sanity_val_steps, val_check_interval = n_dev, 1, 0, 1.0
             check_val_every_n_epoch = 1
             logger = False
+        self.overfit_batches = validate_limit(
+            "overfit_batches", 0.0 if overfit_batches is None else overfit_batches
+        )
+        if self.overfit_batches > 0:
+            # Lightning's rule: the same first batches of the train and val loaders, whatever their limits say.
+            limit_train_batches = limit_val_batches = self.overfit_batches
 
         if max_epochs is None:
-            max_epochs = 1000 if max_steps == -1 else -1
+            # A time limit (``max_time`` or a Timer) ends the run: no default number of epochs then (Lightning's rule).
+            timed = max_time is not None or has_timer(callbacks)
+            max_epochs = 1000 if max_steps == -1 and not timed else -1
         self.max_epochs: int = max_epochs
         self.min_epochs: Optional[int] = min_epochs
         self.max_steps: int = max_steps
@@ -161,6 +182,16 @@ class Trainer:
         if deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=deterministic == "warn")
+        self.benchmark = configure_cudnn_benchmark(benchmark, deterministic)
+        self.detect_anomaly = validate_bool("detect_anomaly", detect_anomaly)
+        if detect_anomaly:
+            _logger.info(
+                "Trainer(detect_anomaly=True) slows training down a lot: use it to debug a model only."
+            )
+        self.sync_batchnorm = validate_bool("sync_batchnorm", sync_batchnorm)
+        self.reload_dataloaders_every_n_epochs = validate_non_negative_int(
+            "reload_dataloaders_every_n_epochs", reload_dataloaders_every_n_epochs
+        )
 
         self._default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
         self.enable_model_summary = True if enable_model_summary is None else enable_model_summary
@@ -170,6 +201,8 @@ class Trainer:
             callbacks,
             enable_checkpointing=True if enable_checkpointing is None else enable_checkpointing,
             enable_progress_bar=True if enable_progress_bar is None else enable_progress_bar,
+            enable_model_summary=self.enable_model_summary,
+            max_time=max_time,
         )
 
         # State of the run.
@@ -193,6 +226,8 @@ class Trainer:
         self.lightning_module: Optional[LightningModule] = None
         self.ckpt_path: Optional[str] = None
         self.fit_loop: Optional[FitLoop] = None
+        # The last ``predict``'s PredictLoop (trainer_core.loops.evaluation): what prediction writers read.
+        self.predict_loop: Any = None
         self.lightning_optimizers: list[LightningOptimizer] = []
 
         # The loop state (counters, positions, the resume plan), the way to the user's hooks, and
@@ -200,6 +235,9 @@ class Trainer:
         self.progress = Progress()
         self.hook_runner = HookRunner(self)
         self.metrics = Metrics(self)
+        # ``Trainer(profiler=...)``; a PassThroughProfiler (records nothing) when not asked for, so that
+        # ``trainer.profiler.profile("name")`` in user code always works.
+        self.profiler: Profiler = resolve_profiler(profiler)
 
     # ------------------------------------------------------------------ entry points
     def fit(
@@ -334,10 +372,15 @@ class Trainer:
             with signals.handle_preemption(stage) as preemption:
                 if self.fit_loop is not None:
                     self.fit_loop.preemption = preemption
+                self._setup_profiler(stage)
                 self._setup_run(stage)
                 result = body()
                 self._teardown(stage)
                 return result
+        except _TunerExitException:
+            # A Tuner's search is done (trainer_core.tuner): the run ends here, torn down as a finished one.
+            self._teardown(stage)
+            return None
         except signals.Preempted as exc:
             signals.finish_preempted(self, exc)
             self._teardown(stage)
@@ -390,6 +433,16 @@ class Trainer:
         runner.call_module("setup", stage=stage)
         with self.plugin.configuring_model():
             runner.call_module("configure_model")
+        fit_loop = self.fit_loop
+        if stage == "fit" and fit_loop is not None and fit_loop.ckpt_path is not None:
+            fit_loop.pending_restore = None
+            if not self.plugin.restore_checkpoint_after_setup:
+                # Lightning's order: the module's and the callbacks' checkpoint hooks before configure_optimizers.
+                from trainer_core.checkpoint.restore import restore_module_and_callbacks
+
+                fit_loop.pending_restore = restore_module_and_callbacks(self, fit_loop.ckpt_path)
+        # Each run starts with no metrics: after `test`, `callback_metrics` holds what the test logged (Lightning's rule).
+        self.metrics.clear()
         self.plugin.setup(self)
         self.lightning_optimizers = [LightningOptimizer(opt, self.plugin) for opt in self.plugin.optimizers]
         if not module.automatic_optimization:
@@ -496,6 +549,19 @@ class Trainer:
 
         return after_closure
 
+    def _setup_profiler(self, stage: str) -> None:
+        """Whether this run profiles, decided once: hooks and loop steps are wrapped only when it does."""
+        runner = self.hook_runner
+        runner.profiler = None
+        profiler = self.profiler
+        if not is_active(profiler):
+            return
+        # Several processes: each profiles its own work into its own file (the rank ends the name).
+        rank = self.global_rank if self.world_size > 1 else None
+        profiler._lightning_module = self.lightning_module  # PyTorchProfiler names the module's layers
+        profiler.setup(stage=stage, local_rank=rank, log_dir=self.log_dir)
+        runner.profiler = profiler
+
     def _teardown(self, stage: str) -> None:
         runner = self.hook_runner
         runner.call_callbacks("teardown", stage=stage)
@@ -506,6 +572,14 @@ class Trainer:
         self.plugin.teardown()
         self.metrics.results = None
         runner.current_fx = None
+        if not self.preempted:  # a pre-empted run finalised its loggers as such
+            # After every stage, as Lightning: a logger flushes and closes what it wrote for this one.
+            for lg in self.loggers:
+                lg.finalize("success")
+        if runner.profiler is not None:
+            # Lightning's place for the report: after the teardown hooks, on every rank (rank 0 prints).
+            runner.profiler = None
+            self.profiler.describe()
 
     # ------------------------------------------------------------------ metrics
     @property

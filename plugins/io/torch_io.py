@@ -268,7 +268,8 @@ class TorchCheckpointIO(CheckpointIO):
         if self.verify_checksums:
             _verify_checksums(fs, fs_path, display)
         checkpoint = decode_byte_payloads(self._torch_load(fs, fs_path, display, map_location))
-        validate_checkpoint(checkpoint, display)
+        # A PyTorch Lightning checkpoint is returned as it is; loading it into a module converts it.
+        validate_checkpoint(checkpoint, display, accept_lightning=True)
         return checkpoint
 
     @staticmethod

@@ -26,6 +26,7 @@ from trainer_core.checkpoint.format import (
     safe_globals,
     validate_checkpoint,
 )
+from trainer_core.checkpoint.lightning import from_lightning, is_lightning_checkpoint
 from trainer_core.checkpoint.optimizer import (
     check_named_state_covers,
     merge_named_states,
@@ -56,6 +57,8 @@ __all__ = [
     "check_state_dict_matches",
     "decode_byte_payloads",
     "encode_byte_payloads",
+    "from_lightning",
+    "is_lightning_checkpoint",
     "merge_named_states",
     "optimizer_state_from_names",
     "optimizer_state_to_names",

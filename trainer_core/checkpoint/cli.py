@@ -27,6 +27,7 @@ from trainer_core.checkpoint.format import (
     KEY_EPOCH,
     KEY_FORMAT_VERSION,
     KEY_GLOBAL_STEP,
+    KEY_LIGHTNING_VERSION,
     KEY_LR_SCHEDULERS,
     KEY_OPTIMIZER_STATES,
     KEY_PLUGIN,
@@ -44,6 +45,8 @@ PROG = "python -m trainer_core.checkpoint"
 #: Exit status for every input the user must fix (argparse uses the same for bad arguments).
 EXIT_BAD_INPUT = 2
 _SHARD_SUFFIX = ".distcp"
+#: What a PyTorch Lightning checkpoint holds when it can resume a run (one saved with weights_only lacks them).
+_LIGHTNING_RESUME_KEYS = ("optimizer_states", "lr_schedulers", "loops", "callbacks")
 
 
 # ---------------------------------------------------------------------- inspect
@@ -107,6 +110,7 @@ def summarize(checkpoint: Mapping[str, Any], path: str, shard_files: Optional[in
     """What ``inspect`` reports about ``checkpoint``, as plain JSON-able values."""
     plugin = checkpoint.get(KEY_PLUGIN)
     plugin = dict(plugin) if isinstance(plugin, Mapping) else {}
+    lightning = KEY_LIGHTNING_VERSION in checkpoint and KEY_FORMAT_VERSION not in checkpoint
     optimizer_states = checkpoint.get(KEY_OPTIMIZER_STATES) or []
     model_tensors, model_bytes = _tensor_stats(checkpoint.get(KEY_STATE_DICT, {}))
     optim_tensors, optim_bytes = _tensor_stats(optimizer_states)
@@ -114,6 +118,8 @@ def summarize(checkpoint: Mapping[str, Any], path: str, shard_files: Optional[in
     return {
         "path": path,
         "format_version": checkpoint.get(KEY_FORMAT_VERSION),
+        # A PyTorch Lightning checkpoint: trainer-core converts it when it loads it (checkpoint/lightning.py).
+        "pytorch_lightning_version": checkpoint.get(KEY_LIGHTNING_VERSION),
         "trainer_core_version": checkpoint.get(KEY_VERSION),
         "epoch": checkpoint.get(KEY_EPOCH),
         "global_step": checkpoint.get(KEY_GLOBAL_STEP),
@@ -124,7 +130,7 @@ def summarize(checkpoint: Mapping[str, Any], path: str, shard_files: Optional[in
         },
         "sharded": shard_files is not None,
         "shard_files": shard_files,
-        "resumable": all(key in checkpoint for key in RESUME_KEYS),
+        "resumable": all(key in checkpoint for key in (_LIGHTNING_RESUME_KEYS if lightning else RESUME_KEYS)),
         "keys": [str(key) for key in checkpoint],
         "model": {"tensors": model_tensors, "bytes": model_bytes},
         "optimizer": {"tensors": optim_tensors, "bytes": optim_bytes},
@@ -161,7 +167,11 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     """``summary`` as aligned ``name  value`` lines."""
     plugin = summary["plugin"]
     if plugin["name"] is None:
-        plugin_text = "unknown (written before checkpoints recorded it)"
+        plugin_text = (
+            "unknown (PyTorch Lightning does not record it)"
+            if summary.get("pytorch_lightning_version")
+            else "unknown (written before checkpoints recorded it)"
+        )
     else:
         plugin_text = f"{plugin['name']} (world size {plugin['world_size']}"
         layout = plugin.get("layout")
@@ -179,6 +189,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     rows = [
         ("path", summary["path"]),
         ("format_version", summary["format_version"]),
+        *_lightning_row(summary),
         ("trainer_core", summary["trainer_core_version"]),
         ("epoch", summary["epoch"]),
         ("global_step", summary["global_step"]),
@@ -196,6 +207,19 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _lightning_row(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+    version = summary.get("pytorch_lightning_version")
+    if not version:
+        return []
+    return [
+        (
+            "written_by",
+            f"PyTorch Lightning {version} (a Lightning checkpoint: trainer-core converts it when it loads it, "
+            "in fit(ckpt_path=...) and load_from_checkpoint)",
+        )
+    ]
 
 
 # ---------------------------------------------------------------------- consolidate

@@ -35,6 +35,11 @@ KEY_LOOPS = "loops"
 KEY_CALLBACKS = "callbacks"
 KEY_RNG = "rng_states"
 KEY_HPARAMS = "hyper_parameters"
+KEY_HPARAMS_NAME = (
+    "hparams_name"  # the __init__ argument that held the one dict given to save_hyperparameters
+)
+KEY_DATAMODULE_HPARAMS = "datamodule_hyper_parameters"  # Lightning's key, so its checkpoints read the same
+KEY_DATAMODULE_HPARAMS_NAME = "datamodule_hparams_name"
 KEY_PRECISION = "precision"
 KEY_PLUGIN = "plugin"  # {PLUGIN_NAME: ..., PLUGIN_WORLD_SIZE: ...} of the run that wrote it
 PLUGIN_NAME = "name"
@@ -43,6 +48,11 @@ PLUGIN_WORLD_SIZE = "world_size"
 PLUGIN_LAYOUT = "layout"
 KEY_DATAMODULE = "datamodule"
 KEY_RNG_PER_RANK = "rng_states_per_rank"  # every rank's generators (rank 0's are also under KEY_RNG)
+#: What marks a PyTorch Lightning checkpoint: readers return one as it is, and the code that loads it
+#: into a module converts it to this format first (trainer_core/checkpoint/lightning.py).
+KEY_LIGHTNING_VERSION = "pytorch-lightning_version"
+#: A converted Lightning checkpoint's index-keyed optimizer states, kept until the optimizers exist to name them.
+KEY_LIGHTNING_OPTIMIZER_STATES = "lightning_optimizer_states"
 
 # Inside ``KEY_LOOPS``: the loop position (written by ``Progress.state_dict``, read by its
 # ``load_state_dict``), then what the checkpoint code adds about the data and the schedulers.
@@ -60,6 +70,10 @@ LOOP_PENDING_PLATEAU = "pending_plateau_metrics"  # ReduceLROnPlateau steps the 
 LOOP_PER_RANK = "per_rank"  # what each rank holds for itself (rank 0's also at the top level)
 LOOP_DATALOADER = "dataloader"  # a stateful loader's state_dict
 LOOP_GRADS = "accumulated_grads"  # gradients of an unfinished accumulation cycle, by parameter name
+# Trainer(reload_dataloaders_every_n_epochs=n) only: the epoch each loader was last made in, so that a
+# resumed run reloads at the epochs the saved run would have.
+LOOP_TRAIN_LOADER_EPOCH = "train_dataloader_epoch"
+LOOP_VAL_LOADER_EPOCH = "val_dataloader_epoch"
 
 #: Keys every checkpoint has, including one saved with ``weights_only=True``.
 REQUIRED_KEYS = (KEY_FORMAT_VERSION, KEY_EPOCH, KEY_GLOBAL_STEP, KEY_STATE_DICT)
@@ -105,10 +119,11 @@ def register_safe_globals(*objects: SafeGlobal) -> None:
 
 def _describe_foreign(checkpoint: Mapping[Any, Any]) -> str:
     """Say what a dict without ``format_version`` most likely is, so the user knows how to load it."""
-    if "pytorch-lightning_version" in checkpoint:
+    if KEY_LIGHTNING_VERSION in checkpoint:
         return (
-            f"it is a PyTorch Lightning checkpoint (pytorch-lightning {checkpoint['pytorch-lightning_version']}); "
-            "load its weights with model.load_state_dict(ckpt['state_dict'])"
+            f"it is a PyTorch Lightning checkpoint (pytorch-lightning {checkpoint[KEY_LIGHTNING_VERSION]}); "
+            "resume from it with trainer.fit(model, ckpt_path=path), or load it with "
+            "YourModule.load_from_checkpoint(path)"
         )
     if checkpoint and all(isinstance(value, torch.Tensor) for value in checkpoint.values()):
         return (
@@ -120,17 +135,29 @@ def _describe_foreign(checkpoint: Mapping[Any, Any]) -> str:
     return f"its top-level keys are [{keys}]; write checkpoints with trainer.save_checkpoint(path)"
 
 
-def validate_checkpoint(checkpoint: Any, path: str, *, for_resume: bool = False) -> None:
+def validate_checkpoint(
+    checkpoint: Any, path: str, *, for_resume: bool = False, accept_lightning: bool = False
+) -> None:
     """Raise :class:`CheckpointError` unless ``checkpoint`` is a trainer-core checkpoint this version reads.
 
     ``for_resume=True`` also requires the training state (optimizers, schedulers, loops, callbacks,
     RNG); a checkpoint saved with ``weights_only=True`` holds only the model and cannot resume a run.
+    ``accept_lightning=True`` (for readers such as the checkpoint IO) also passes a complete PyTorch
+    Lightning checkpoint as it is: whoever loads it into a module converts it first.
     """
     if not isinstance(checkpoint, Mapping):
         raise CheckpointError(
             f"{path} is not a trainer-core checkpoint: it holds a {type(checkpoint).__name__}, not a dict. "
             "Write checkpoints with trainer.save_checkpoint(path)."
         )
+    if accept_lightning and KEY_FORMAT_VERSION not in checkpoint and KEY_LIGHTNING_VERSION in checkpoint:
+        missing = [key for key in (KEY_EPOCH, KEY_GLOBAL_STEP, KEY_STATE_DICT) if key not in checkpoint]
+        if missing:
+            raise CheckpointError(
+                f"{path} is an incomplete PyTorch Lightning checkpoint: it lacks the keys [{', '.join(missing)}]. "
+                "It was edited or written by a broken writer; use another checkpoint."
+            )
+        return
     if KEY_FORMAT_VERSION not in checkpoint:
         raise CheckpointError(
             f"{path} is not a trainer-core checkpoint (no {KEY_FORMAT_VERSION!r} key): {_describe_foreign(checkpoint)}."

@@ -8,7 +8,9 @@ as they were.
 from __future__ import annotations
 
 import copy
+import inspect
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from trainer_core.checkpoint.format import (
@@ -16,6 +18,7 @@ from trainer_core.checkpoint.format import (
     KEY_DATAMODULE,
     KEY_GLOBAL_STEP,
     KEY_HPARAMS,
+    KEY_HPARAMS_NAME,
     KEY_LOOPS,
     KEY_LR_SCHEDULERS,
     KEY_OPTIMIZER_STATES,
@@ -31,9 +34,14 @@ from trainer_core.checkpoint.format import (
     check_state_dict_matches,
     validate_checkpoint,
 )
+from trainer_core.checkpoint.lightning import (
+    from_lightning,
+    is_lightning_checkpoint,
+    name_pending_optimizer_states,
+)
 from trainer_core.checkpoint.optimizer import merge_named_states, select_named_state
 from trainer_core.checkpoint.save import data_replicas, loader_batch_size
-from trainer_core.errors import CheckpointError
+from trainer_core.errors import CheckpointError, MisconfigurationException
 from trainer_core.optim import rebase_learning_rates
 from trainer_core.utilities import rank_zero_warn
 
@@ -77,36 +85,101 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: Union[str, os.PathLike]) -> O
 def restore_checkpoint(
     trainer: Trainer, ckpt_path: Union[str, os.PathLike], weights_only: bool = False
 ) -> None:
-    """Load ``ckpt_path`` into the run: all checks first, then every change at once."""
+    """Load ``ckpt_path`` into a run already set up (its optimizers exist): both steps below at once."""
+    pending = restore_module_and_callbacks(trainer, ckpt_path, weights_only, optimizers_ready=True)
+    if pending is not None and not weights_only:
+        restore_training_state(trainer, pending)
+
+
+@dataclass
+class PendingRestore:
+    """A checkpoint whose weights and callbacks are loaded, and whose training state loads once the optimizers exist."""
+
+    checkpoint: dict[str, Any]
+    path: str
+    # Checked and prepared already when the optimizers existed at the first step.
+    optimizer_states: Optional[list[Any]] = None
+    scheduler_states: Optional[list[dict[str, Any]]] = None
+
+
+def restore_module_and_callbacks(
+    trainer: Trainer,
+    ckpt_path: Union[str, os.PathLike],
+    weights_only: bool = False,
+    optimizers_ready: bool = False,
+) -> Optional[PendingRestore]:
+    """The first step of a restore, before ``configure_optimizers`` (Lightning's order): the module, then callbacks.
+
+    The file is read and checked; the module's ``on_load_checkpoint`` runs (it may edit the
+    checkpoint, renaming weights, or change the model); then the weights are checked against the
+    model and the saved optimizer states against its parameters (against the optimizers themselves
+    when they exist already, ``optimizers_ready``: plugins that restore after setting up), all before anything loads, so
+    a file that does not fit leaves the model as it was. Then the weights load, and (unless
+    ``weights_only``) the data module's state and the callbacks' ``on_load_checkpoint`` and
+    ``load_state_dict``. Returns what :func:`restore_training_state` finishes, or ``None`` when
+    ``ckpt_path="last"`` found nothing.
+    """
     path = resolve_ckpt_path(trainer, ckpt_path)
     if path is None:
-        return
+        return None
     module = trainer.lightning_module
     plugin = trainer.plugin
     assert module is not None
     checkpoint = plugin.load_checkpoint(path)
+    if is_lightning_checkpoint(checkpoint):  # converted to this format (checkpoint/lightning.py)
+        optimizers = plugin.optimizers if optimizers_ready and not weights_only else None
+        checkpoint = from_lightning(checkpoint, module, path, optimizers)
     validate_checkpoint(checkpoint, path, for_resume=not weights_only)
-    check_state_dict_matches(module.state_dict(), checkpoint[KEY_STATE_DICT], path)
-
-    optimizer_states: list[dict[str, Any]] = []
+    runner = trainer.hook_runner
+    runner.call_module("on_load_checkpoint", checkpoint)
+    strict = module.strict_loading
+    check_state_dict_matches(module.state_dict(), checkpoint[KEY_STATE_DICT], path, strict=strict)
+    pending = PendingRestore(checkpoint, path)
     if not weights_only:
-        # Schedulers first: states that disagree are the root cause of ambiguous optimizer groups.
+        if optimizers_ready:
+            # Schedulers first: states that disagree are the root cause of ambiguous optimizer groups.
+            pending.scheduler_states = _scheduler_states_for(
+                checkpoint[KEY_LR_SCHEDULERS], len(plugin.lr_scheduler_configs), path
+            )
+            pending.optimizer_states = _optimizer_states_for(trainer, checkpoint[KEY_OPTIMIZER_STATES], path)
+        else:
+            _check_optimizer_names(module, checkpoint[KEY_OPTIMIZER_STATES], path)
+
+    # Nothing has changed yet; from here on the weights are known to fit.
+    plugin.load_model_state_dict(checkpoint[KEY_STATE_DICT], strict=strict)
+    trainer.ckpt_path = path
+    if weights_only:
+        return pending
+    if trainer.datamodule is not None and KEY_DATAMODULE in checkpoint:
+        trainer.datamodule.load_state_dict(checkpoint[KEY_DATAMODULE])
+    with runner.running("on_load_checkpoint"):
+        for cb in trainer.callbacks:
+            cb.on_load_checkpoint(trainer, module, checkpoint)
+    callback_states = checkpoint.get(KEY_CALLBACKS, {})
+    for cb in trainer.callbacks:
+        if cb.state_key in callback_states:
+            cb.load_state_dict(callback_states[cb.state_key])
+    return pending
+
+
+def restore_training_state(trainer: Trainer, pending: PendingRestore) -> None:
+    """The second step, once the optimizers exist: optimizers, schedulers, precision and loop position.
+
+    The optimizer and scheduler states are checked against this run's optimizers and schedulers
+    before any of them loads.
+    """
+    plugin = trainer.plugin
+    checkpoint, path = pending.checkpoint, pending.path
+    # A Lightning checkpoint's optimizer states are index-keyed until the optimizers exist to name them.
+    name_pending_optimizer_states(checkpoint, trainer.lightning_module, plugin.optimizers, path)
+    scheduler_states = pending.scheduler_states
+    if scheduler_states is None:
         scheduler_states = _scheduler_states_for(
             checkpoint[KEY_LR_SCHEDULERS], len(plugin.lr_scheduler_configs), path
         )
+    optimizer_states = pending.optimizer_states
+    if optimizer_states is None:
         optimizer_states = _optimizer_states_for(trainer, checkpoint[KEY_OPTIMIZER_STATES], path)
-
-    # Nothing has changed yet; from here on the checkpoint is known to fit.
-    runner = trainer.hook_runner
-    if not weights_only:
-        with runner.running("on_load_checkpoint"):
-            for cb in trainer.callbacks:
-                cb.on_load_checkpoint(trainer, module, checkpoint)
-    runner.call_module("on_load_checkpoint", checkpoint)
-    plugin.load_model_state_dict(checkpoint[KEY_STATE_DICT])
-    trainer.ckpt_path = path
-    if weights_only:
-        return
     for opt, state in zip(plugin.optimizers, optimizer_states):
         plugin.load_optimizer_state_dict(opt, state)
     regrouped = len(checkpoint[KEY_LR_SCHEDULERS]) != len(plugin.lr_scheduler_configs)
@@ -116,13 +189,21 @@ def restore_checkpoint(
             rebase_learning_rates(config.scheduler)
     _take_pending_plateau_steps(trainer, checkpoint[KEY_LOOPS])
     plugin.precision.load_state_dict(checkpoint.get(KEY_PRECISION, {}))
-    callback_states = checkpoint.get(KEY_CALLBACKS, {})
-    for cb in trainer.callbacks:
-        if cb.state_key in callback_states:
-            cb.load_state_dict(callback_states[cb.state_key])
-    if trainer.datamodule is not None and KEY_DATAMODULE in checkpoint:
-        trainer.datamodule.load_state_dict(checkpoint[KEY_DATAMODULE])
     _restore_loops(trainer, checkpoint)
+
+
+def _check_optimizer_names(module: LightningModule, saved: list[dict[str, Any]], path: str) -> None:
+    """Before the optimizers exist: every parameter a saved optimizer state names is one of the module's."""
+    names = {name for name, _ in module.named_parameters()}
+    saved_names = {n for state in saved for n in state.get("state", {})} | {
+        n for state in saved for group in state.get("param_groups", []) for n in group.get("params", [])
+    }
+    unknown = sorted(saved_names - names)
+    if unknown:
+        raise CheckpointError(
+            f"the optimizer state in {path} names parameters the model does not have: {unknown[:20]}. "
+            "configure_optimizers must optimize the same parameters as the run that saved the checkpoint."
+        )
 
 
 def _optimizer_states_for(trainer: Trainer, saved: list[dict[str, Any]], path: str) -> list[Any]:
@@ -224,12 +305,19 @@ def load_module_from_checkpoint(
     **overrides: Any,
 ) -> LightningModule:
     """``cls`` built from the checkpoint's hyper-parameters (``overrides`` win), with its weights loaded."""
+    from trainer_core.module import hparams_argument
     from trainer_core.plugins.io import TorchCheckpointIO
 
     path = os.fspath(checkpoint_path)
     checkpoint = TorchCheckpointIO().load_checkpoint(path, map_location=map_location)
+    if is_lightning_checkpoint(checkpoint):  # converted to this format (checkpoint/lightning.py)
+        checkpoint = from_lightning(checkpoint, None, path)
     validate_checkpoint(checkpoint, path)
     hparams = {**checkpoint.get(KEY_HPARAMS, {}), **overrides}
+    name = hparams_argument(cls, checkpoint.get(KEY_HPARAMS_NAME))
+    if name:  # `__init__(self, hparams)` with `save_hyperparameters(hparams)`: the dict goes back whole
+        parameters = inspect.signature(cls.__init__).parameters
+        hparams = {name: hparams, **{k: v for k, v in overrides.items() if k in parameters and k != name}}
     try:
         model = cls(**hparams)
     except TypeError as err:
@@ -238,7 +326,17 @@ def load_module_from_checkpoint(
             f"load_from_checkpoint as keywords."
         ) from err
     model.on_load_checkpoint(checkpoint)
-    strict = True if strict is None else strict
+    strict = _strict_for(model, strict)
     check_state_dict_matches(model.state_dict(), checkpoint[KEY_STATE_DICT], path, strict=strict)
     model.load_state_dict(checkpoint[KEY_STATE_DICT], strict=strict)
     return model
+
+
+def _strict_for(model: LightningModule, strict: Optional[bool]) -> bool:
+    """``load_from_checkpoint(strict=...)`` if given, else the module's ``strict_loading``; both given must agree."""
+    if strict is not None and model._strict_loading is not None and strict != model.strict_loading:
+        raise MisconfigurationException(
+            f"load_from_checkpoint(strict={strict}) contradicts {type(model).__name__}.strict_loading="
+            f"{model.strict_loading}; pass the same value, or leave `strict` out to use strict_loading."
+        )
+    return model.strict_loading if strict is None else strict

@@ -16,10 +16,13 @@ from trainer_core.checkpoint.format import (
     FORMAT_VERSION,
     KEY_CALLBACKS,
     KEY_DATAMODULE,
+    KEY_DATAMODULE_HPARAMS,
+    KEY_DATAMODULE_HPARAMS_NAME,
     KEY_EPOCH,
     KEY_FORMAT_VERSION,
     KEY_GLOBAL_STEP,
     KEY_HPARAMS,
+    KEY_HPARAMS_NAME,
     KEY_LOOPS,
     KEY_LR_SCHEDULERS,
     KEY_OPTIMIZER_STATES,
@@ -174,6 +177,14 @@ def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, A
     }
     if module.hparams:
         checkpoint[KEY_HPARAMS] = _plain_hparams(dict(module.hparams))
+        if getattr(module, "_hparams_name", None):
+            checkpoint[KEY_HPARAMS_NAME] = module._hparams_name
+    datamodule = trainer.datamodule
+    if datamodule is not None and datamodule.hparams:
+        # Lightning's key and layout: `MyData.load_from_checkpoint(path)` rebuilds the data module.
+        checkpoint[KEY_DATAMODULE_HPARAMS] = _plain_hparams(dict(datamodule.hparams))
+        if getattr(datamodule, "_hparams_name", None):
+            checkpoint[KEY_DATAMODULE_HPARAMS_NAME] = datamodule._hparams_name
     if not weights_only:
         checkpoint[KEY_OPTIMIZER_STATES] = [plugin.named_optimizer_state(opt) for opt in plugin.optimizers]
         checkpoint[KEY_LR_SCHEDULERS] = [

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 from argparse import Namespace
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from trainer_core import paths
+from trainer_core.utilities import rank_zero_only
 
 #: Hyper-parameters beside the logs; written as JSON, which is valid YAML and needs no YAML library.
 HPARAMS_FILE = "hparams.yaml"
@@ -45,6 +47,9 @@ class Logger:
     def finalize(self, status: str) -> None:
         """Flush and close at the end of a run (``status``: ``"success"``, ``"failed"`` or ``"preempted"``)."""
         self.save()
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        """Called on global rank 0 after ``ModelCheckpoint`` saved (loggers that upload checkpoints use it)."""
 
 
 class FolderLogger(Logger):
@@ -120,3 +125,51 @@ def version_folder(version: Union[int, str]) -> str:
 def as_dict(params: Union[dict[str, Any], Namespace]) -> dict[str, Any]:
     """Hyper-parameters as a dict: an ``argparse.Namespace`` (a script's parsed arguments) too."""
     return dict(vars(params)) if isinstance(params, Namespace) else dict(params)
+
+
+class DummyExperiment:
+    """What a logger's ``experiment`` is on ranks other than 0: every call does nothing, so user code needs no rank test."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+    def __getitem__(self, key: Any) -> DummyExperiment:
+        return self
+
+
+def rank_zero_experiment(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """For a logger's ``experiment`` property: the real object on global rank 0, a :class:`DummyExperiment` elsewhere."""
+
+    @functools.wraps(fn)
+    def experiment(self: Any) -> Any:
+        if rank_zero_only.rank != 0:
+            return DummyExperiment()
+        return fn(self)
+
+    return experiment
+
+
+def new_checkpoints(checkpoint_callback: Any, logged: dict[str, float]) -> list[tuple[float, str, Any]]:
+    """``(mtime, path, score)`` of the callback's checkpoints not in ``logged`` or rewritten since, oldest first.
+
+    The checkpoints are the last, the best and the top-k ones (Lightning's choice for ``log_model``);
+    a file already removed is skipped.
+    """
+    found: dict[str, Any] = {}
+    last = getattr(checkpoint_callback, "last_model_path", "")
+    if last:
+        found[last] = getattr(checkpoint_callback, "current_score", None)
+    best = getattr(checkpoint_callback, "best_model_path", "")
+    if best:
+        found[best] = getattr(checkpoint_callback, "best_model_score", None)
+    found.update(getattr(checkpoint_callback, "best_k_models", {}))
+    out = []
+    for path, score in found.items():
+        fs, resolved = paths.resolve(path)
+        try:
+            mtime = fs.modified(resolved).timestamp()
+        except (FileNotFoundError, OSError, NotImplementedError):
+            continue
+        if path not in logged or logged[path] < mtime:
+            out.append((mtime, path, score))
+    return sorted(out, key=lambda item: (item[0], item[1]))

@@ -10,6 +10,7 @@ from lightning_utilities.core.overrides import is_overridden
 
 from trainer_core.datamodule import LightningDataModule
 from trainer_core.errors import MisconfigurationException
+from trainer_core.utilities import rank_zero_warn
 
 if TYPE_CHECKING:
     from trainer_core.trainer import Trainer
@@ -45,9 +46,42 @@ def resolve_dataloaders(trainer: Trainer, kind: str, given: Any) -> list[Any]:
             raise MisconfigurationException(
                 f"`{hook}` returned a {type(loader).__name__}, which cannot be iterated; return a DataLoader."
             )
+    if trainer.overfit_batches > 0 and kind in ("train", "val") and trainer.state_stage == "fit":
+        loaders = [_in_order(trainer, loader, kind) for loader in loaders]
     return [
         trainer.plugin.process_dataloader(loader, kind, trainer.use_distributed_sampler) for loader in loaders
     ]
+
+
+def _in_order(trainer: Trainer, loader: Any, kind: str) -> Any:
+    """``Trainer(overfit_batches=...)``: the loader without shuffling, so that every epoch sees the same batches.
+
+    Lightning's rule, for the train and the val loaders of ``fit`` (each keeps its own data); a
+    loader with a sampler of its own other than torch's ``RandomSampler`` is put in order too.
+    """
+    from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
+
+    from trainer_core.plugins.parallel import loader_with_sampler
+
+    sampler = getattr(loader, "sampler", None)
+    if (
+        not isinstance(loader, DataLoader)
+        or isinstance(loader.dataset, IterableDataset)
+        or isinstance(sampler, SequentialSampler)
+    ):
+        return loader
+    setting = f"Trainer(overfit_batches={trainer.overfit_batches!r})"
+    if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
+        rank_zero_warn(
+            f"{setting}: the {kind} dataloader has its own batch sampler ({type(loader.batch_sampler).__name__}), "
+            "which is kept; if it shuffles, each epoch overfits other batches. Return a loader without shuffling."
+        )
+        return loader
+    rank_zero_warn(
+        f"{setting} trains on the same first batches every epoch, but the {kind} dataloader shuffles "
+        f"({type(sampler).__name__}); it is read in order instead."
+    )
+    return loader_with_sampler(loader, SequentialSampler(loader.dataset))
 
 
 def num_batches(loader: Any, limit: Union[int, float], name: str) -> Union[int, float]:
@@ -82,17 +116,27 @@ def with_last_flag(iterator: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
     yield previous, True
 
 
-def _transfer(trainer: Trainer, batch: Any, dataloader_idx: int) -> Any:
-    call = trainer.hook_runner.call_module
-    batch = call("on_before_batch_transfer", batch, dataloader_idx)
-    batch = call("transfer_batch_to_device", batch, trainer.plugin.root_device, dataloader_idx)
-    return call("on_after_batch_transfer", batch, dataloader_idx)
+def _transfer(trainer: Trainer, hooks: tuple[Any, Any, Any], batch: Any, dataloader_idx: int) -> Any:
+    """The batch through the run's three transfer hooks (each the data module's or the module's)."""
+    before, transfer, after = hooks
+    runner = trainer.hook_runner
+    previous = runner.current_fx  # each named while it runs, as every hook the Trainer calls is
+    try:
+        runner.current_fx = "on_before_batch_transfer"
+        batch = before(batch, dataloader_idx)
+        runner.current_fx = "transfer_batch_to_device"
+        batch = transfer(batch, trainer.plugin.root_device, dataloader_idx)
+        runner.current_fx = "on_after_batch_transfer"
+        return after(batch, dataloader_idx)
+    finally:
+        runner.current_fx = previous
 
 
 def batch_mover(trainer: Trainer) -> Optional[Callable[[Any, int], Any]]:
     """How a batch reaches the device: the user's hooks, the plugin, or (on the CPU) not at all."""
-    if trainer.hook_runner.batch.batch_transfer:
-        return lambda batch, idx: _transfer(trainer, batch, idx)
+    hooks = trainer.hook_runner.batch.batch_transfer
+    if hooks:
+        return lambda batch, idx: _transfer(trainer, hooks, batch, idx)
     if trainer.plugin.root_device.type != "cpu":
         move = trainer.plugin.batch_to_device
         return lambda batch, idx: move(batch)

@@ -7,13 +7,21 @@ the batch transfer, the limits and the gradient mode are the same for all three.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
+from lightning_utilities.core.overrides import is_overridden
+from torch.utils.data import DataLoader
 
+from trainer_core.connectors import prediction_writer_intervals
 from trainer_core.errors import MisconfigurationException
+from trainer_core.hooks import check_dataloader_idx, step_caller
 from trainer_core.loops.data import batch_mover, num_batches, resolve_dataloaders
+from trainer_core.module import LightningModule
+from trainer_core.profilers.base import profiled, profiled_iter
 from trainer_core.results import ResultCollection
+from trainer_core.utilities import rank_zero_warn
 
 if TYPE_CHECKING:
     from trainer_core.trainer import Trainer
@@ -42,14 +50,26 @@ def run_loop(
     hooks = runner.batch
     metrics = trainer.metrics
     step_name = _STEP[prefix]
-    step_fn = getattr(plugin, step_name)
+    step_fn = step_caller(trainer, step_name, getattr(plugin, step_name))
+    if plugin.defines_step(step_name) and is_overridden(step_name, module, LightningModule):
+        check_dataloader_idx(getattr(module, step_name), step_name, len(loaders))
     batch_start = getattr(hooks, f"on_{prefix}_batch_start")
     batch_end = getattr(hooks, f"on_{prefix}_batch_end")
     move = batch_mover(trainer)
     precision = plugin.precision
+    # With a profiler on (decided per run), each step and each batch fetch are recorded (Lightning's names).
+    profiler = runner.profiler
+    if profiler is not None:
+        step_fn = profiled(profiler, f"[Strategy]{type(plugin).__name__}.{step_name}", step_fn)
+        loop_name = "[_PredictionLoop]" if prefix == "predict" else "[_EvaluationLoop]"
+        fetch_action = f"{loop_name}.{'val' if prefix == 'validation' else prefix}_next"
     predicting = prefix == "predict"
 
-    was_training = module.training
+    # Lightning's rule: each submodule gets its own mode back (a frozen backbone the user put in eval mode stays
+    # there), unless the module overrides the hook that puts it back in training mode.
+    train_hook = f"on_{prefix}_model_train"
+    custom_train_hook = not predicting and is_overridden(train_hook, module, LightningModule)
+    modes = None if custom_train_hook else [(m, m.training) for m in module.modules()]
     runner.call_module(f"on_{prefix}_model_eval")
     runner.call(f"on_{prefix}_start")
     results: Optional[ResultCollection] = None
@@ -59,6 +79,9 @@ def run_loop(
         metrics.results = results
     multiple = len(loaders) > 1
     outputs: list[Any] = []
+    if predicting:
+        # What prediction writers read at the epoch's end (trainer.predict_loop.predictions).
+        trainer.predict_loop.outputs = outputs
     with torch.inference_mode() if trainer.inference_mode else torch.no_grad():
         runner.call(f"on_{prefix}_epoch_start")
         for dl_idx, loader in enumerate(loaders):
@@ -70,7 +93,8 @@ def run_loop(
             limit = limits[dl_idx]
             if limit == 0:
                 continue
-            for batch_idx, batch in enumerate(loader):
+            batches = loader if profiler is None else profiled_iter(profiler, fetch_action, iter(loader))
+            for batch_idx, batch in enumerate(batches):
                 if move is not None:
                     batch = move(batch, dl_idx)
                 if results is not None:
@@ -96,12 +120,21 @@ def run_loop(
         runner.call(f"on_{prefix}_epoch_end")
     if results is None:
         runner.call(f"on_{prefix}_end")
+        _restore_modes(modes)
         return outputs
     epoch_metrics = metrics.publish_epoch(results, log=log, step=step)
+    results.reset_torchmetrics()
     runner.call(f"on_{prefix}_end")
-    if was_training:
-        runner.call_module(f"on_{prefix}_model_train")
+    if custom_train_hook:
+        runner.call_module(train_hook)
+    else:
+        _restore_modes(modes)
     return results.per_dataloader(epoch_metrics, len(loaders))
+
+
+def _restore_modes(modes: Optional[list[tuple[torch.nn.Module, bool]]]) -> None:
+    for submodule, training in modes or ():
+        submodule.training = training
 
 
 def _restore_weights(trainer: Trainer, ckpt_path: Any) -> None:
@@ -151,10 +184,98 @@ def run_predict(
     trainer.predict_dataloaders = loaders[0] if len(loaders) == 1 else loaders
     trainer.num_predict_batches = limits
     keep = True if return_predictions is None else return_predictions
-    predictions = run_loop(trainer, "predict", loaders, limits, keep_predictions=keep)
+    on_batch, on_epoch = prediction_writer_intervals(trainer.callbacks)
+    loop = trainer.predict_loop = PredictLoop(return_predictions=keep)
+    # Only a prediction writer needs the samples' indices; without one nothing is recorded.
+    recorders = [_record_indices(dl) for dl in loaders] if on_batch or on_epoch else []
+    loop.recorders = recorders
+    try:
+        # An epoch writer gets every prediction, even when the caller does not want them back.
+        predictions = run_loop(trainer, "predict", loaders, limits, keep_predictions=keep or on_epoch)
+    finally:
+        for loader, recorder in zip(loaders, recorders):
+            if recorder is not None:
+                object.__setattr__(loader, "batch_sampler", recorder.batch_sampler)
+        loop.recorders = []
     if not keep:
+        loop.outputs = []
         return None
     return predictions if len(loaders) > 1 else predictions[0]
+
+
+class PredictLoop:
+    """What a ``trainer.predict`` run shows its callbacks, under Lightning's names (``trainer.predict_loop``)."""
+
+    def __init__(self, return_predictions: bool) -> None:
+        self.return_predictions = return_predictions
+        # Per dataloader: the step outputs kept so far (filled by run_loop).
+        self.outputs: list[list[Any]] = []
+        # Per dataloader: the index recorder swapped into its batch sampler, or None (only with a writer).
+        self.recorders: list[Optional[IndexRecorder]] = []
+
+    @property
+    def predictions(self) -> list[Any]:
+        """The kept predictions: one list of batch outputs, or one such list per dataloader if several."""
+        return self.outputs[0] if len(self.outputs) == 1 else self.outputs
+
+    def batch_indices(self, dataloader_idx: int, batch_idx: int) -> Optional[list[int]]:
+        """The data-set indices of batch ``batch_idx`` of dataloader ``dataloader_idx``, if recorded."""
+        recorder = self.recorders[dataloader_idx] if dataloader_idx < len(self.recorders) else None
+        if recorder is None or batch_idx >= len(recorder.seen):
+            return None
+        return recorder.seen[batch_idx]
+
+    @property
+    def epoch_batch_indices(self) -> list[list[list[int]]]:
+        """Per dataloader, the index lists of the batches predicted so far (Lightning's shape, always nested)."""
+        result = []
+        for dl_idx, outputs in enumerate(self.outputs):
+            recorder = self.recorders[dl_idx] if dl_idx < len(self.recorders) else None
+            # A loader with workers fetches ahead: only the batches predicted count.
+            result.append([] if recorder is None else recorder.seen[: len(outputs)])
+        return result
+
+
+class IndexRecorder:
+    """A batch sampler that remembers the indices of each batch it gives out, for prediction writers.
+
+    It stands in for the loader's own batch sampler while ``predict`` runs (a ``DataLoader`` takes
+    its batches' indices from it in the main process, also with workers), and everything else is
+    read from the sampler it wraps.
+    """
+
+    def __init__(self, batch_sampler: Any) -> None:
+        self.batch_sampler = batch_sampler
+        self.seen: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.seen = []
+        for indices in self.batch_sampler:
+            self.seen.append(list(indices))
+            yield indices
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "batch_sampler":
+            raise AttributeError(name)
+        return getattr(self.batch_sampler, name)
+
+
+def _record_indices(loader: Any) -> Optional[IndexRecorder]:
+    """Put an :class:`IndexRecorder` in ``loader``'s place of its batch sampler; ``None`` where it has none."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if not isinstance(loader, DataLoader) or batch_sampler is None:
+        rank_zero_warn(
+            f"A prediction writer cannot know the sample indices of a {type(loader).__name__} without a batch "
+            "sampler: its `batch_indices` are None. Use a torch DataLoader with a batch_size."
+        )
+        return None
+    recorder = IndexRecorder(batch_sampler)
+    # DataLoader refuses a new batch sampler once built; the swap is undone when predict ends.
+    object.__setattr__(loader, "batch_sampler", recorder)
+    return recorder
 
 
 def _print_results(stage: str, results: list[dict[str, float]]) -> None:

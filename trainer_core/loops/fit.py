@@ -7,20 +7,27 @@ and reads it, and ``trainer_core.checkpoint`` saves and restores it.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch
+
 from trainer_core.checkpoint.rng import apply_rng_states, collect_rng_states
 from trainer_core.connectors import monitoring_callbacks
+from trainer_core.datamodule import hyperparameters_to_log
 from trainer_core.errors import MisconfigurationException
 from trainer_core.loops.data import batch_mover, num_batches, resolve_dataloaders, with_last_flag
 from trainer_core.loops.evaluation import run_loop
 from trainer_core.loops.schedulers import update_lr_schedulers
 from trainer_core.loops.training_step import TrainingStep
+from trainer_core.profilers.base import profiled, profiled_iter
 from trainer_core.utilities import rank_zero_warn
 
 if TYPE_CHECKING:
+    from trainer_core.checkpoint.restore import PendingRestore
     from trainer_core.signals import PreemptionHandler
     from trainer_core.trainer import Trainer
 
@@ -30,33 +37,43 @@ _EXHAUSTED = object()
 class FitLoop:
     """One ``fit`` call: its data sources, checkpoint to resume, and the loop over epochs."""
 
+    #: Set by a callback in ``on_train_epoch_start`` for one epoch that runs ``training_step`` only,
+    #: without backward or optimizer step (``StochasticWeightAveraging``'s BatchNorm statistics pass).
+    forward_only: bool = False
+
     def __init__(self, trainer: Trainer, train_source: Any, val_source: Any, ckpt_path: Any) -> None:
         self.trainer = trainer
         self.train_source = train_source
         self.val_source = val_source
         self.ckpt_path = ckpt_path
-        # The validation loaders of this fit (empty: no validation).
-        self.val_loaders: list[Any] = []
+        # The validation loaders of this fit (empty: no validation; None: not made yet).
+        self.val_loaders: Optional[list[Any]] = None
         # The pre-emption signal record while the loop runs in the main thread (trainer_core.signals).
         self.preemption: Optional[PreemptionHandler] = None
+        # A checkpoint whose module and callbacks were restored before the optimizers were made; its
+        # training state loads when the loop starts.
+        self.pending_restore: Optional[PendingRestore] = None
+        # Whether the train loader was made for the epoch about to start (reload_dataloaders_every_n_epochs).
+        self._fresh_train_loader = False
 
     def run(self) -> None:
         t = self.trainer
         module = t.lightning_module
         assert module is not None
-        if self.ckpt_path is not None:
-            from trainer_core.checkpoint.restore import restore_checkpoint
-
-            restore_checkpoint(t, self.ckpt_path)
-        for lg in t.loggers:
-            if module._log_hyperparams and module.hparams:
-                lg.log_hyperparams(dict(module.hparams))
-        if t.enable_model_summary and t.is_global_zero and not t.fast_dev_run:
-            from trainer_core.summary import print_summary
-
-            print_summary(module)
         runner = t.hook_runner
         runner.call("on_fit_start")
+        hparams = hyperparameters_to_log(module, t.datamodule) if t.loggers else None
+        if hparams is not None:  # the module's and the data module's, merged (Lightning's record)
+            for lg in t.loggers:
+                lg.log_hyperparams(hparams)
+        if self.ckpt_path is not None:
+            from trainer_core.checkpoint.restore import restore_module_and_callbacks, restore_training_state
+
+            pending, self.pending_restore = self.pending_restore, None
+            if pending is None and t.plugin.restore_checkpoint_after_setup:
+                pending = restore_module_and_callbacks(t, self.ckpt_path, optimizers_ready=True)
+            if pending is not None:
+                restore_training_state(t, pending)
 
         sanity = (
             t.num_sanity_val_steps != 0
@@ -64,21 +81,57 @@ class FitLoop:
             and not t.progress.resume.mid_run
             and t.plugin.defines_step("validation_step")
         )
-        self.val_loaders = self._sanity_check() if sanity else self._setup_val()
-        self.setup_train_dataloader()
+        # Without a sanity check the validation loaders are made once the training loader is, in the
+        # first epoch that validates (Lightning's order and count of dataloader hook calls).
+        self.val_loaders = self._sanity_check() if sanity else None
+        # Trainer(detect_anomaly=True): around training only (not the sanity check), as in Lightning;
+        # the setting the user had comes back afterwards.
+        with torch.autograd.set_detect_anomaly(True) if t.detect_anomaly else contextlib.nullcontext():
+            self.train()
+        runner.call("on_fit_end")
 
-        runner.call("on_train_start")
+    def train(self) -> None:
+        """``on_train_start``, epochs until a stop rule holds, ``on_train_end``: Lightning's ``fit_loop.run()``.
+
+        The part of ``fit`` that the tuner's searches (``trainer_core.tuner``) run again, from
+        ``on_fit_start``, with their own callbacks, limits and schedulers.
+        """
+        t = self.trainer
         progress = t.progress
+        every = t.reload_dataloaders_every_n_epochs
+        paused = progress.paused_rng
+        resumed_at_reload = (
+            every
+            and paused is not None
+            and progress.train_loader_epoch is not None
+            and self._reload_due(progress.train_loader_epoch)
+        )
+        if resumed_at_reload:
+            # A resumed run starts an epoch the saved run reloaded at: make the loader from the generators
+            # the saved run had there (a sampler may seed itself from them).
+            apply_rng_states(paused)
+            t.train_dataloader = None
+        self.setup_train_dataloader()
+        if resumed_at_reload:
+            progress.paused_rng = collect_rng_states()
+        if every and self._reload_due(progress.train_loader_epoch):
+            # The loader just made is the one the first epoch would have reloaded.
+            progress.train_loader_epoch = progress.current_epoch
+            self._fresh_train_loader = True
+        if self.val_loaders is None and self._validates_this_epoch():
+            self.val_loaders = self._setup_val()
+        runner = t.hook_runner
+        runner.call("on_train_start")
+        train_epoch = self._train_epoch
+        if runner.profiler is not None:
+            train_epoch = profiled(runner.profiler, "run_training_epoch", train_epoch)
         while not self._done():
-            self._train_epoch()
+            train_epoch()
             progress.current_epoch += 1
             progress.resume.batch_idx = 0
         # Stopped at an epoch's end: the generators stand where the next epoch would begin.
         self._pause()
         runner.call("on_train_end")
-        runner.call("on_fit_end")
-        for lg in t.loggers:
-            lg.finalize("success")
 
     # ------------------------------------------------------------------ data
     def setup_train_dataloader(self) -> None:
@@ -127,7 +180,26 @@ class FitLoop:
             loaders = []
         t.val_dataloaders = loaders[0] if len(loaders) == 1 else loaders
         t.num_val_batches = [num_batches(dl, t.limit_val_batches, "limit_val_batches") for dl in loaders]
+        progress = t.progress
+        if (
+            t.reload_dataloaders_every_n_epochs
+            and self._validates_this_epoch()
+            and self._reload_due(progress.val_loader_epoch)
+        ):
+            # Lightning counts a load only in an epoch that validates (a sanity check's at epoch 0 with
+            # check_val_every_n_epoch=2 does not): the first validation then loads again.
+            progress.val_loader_epoch = progress.current_epoch
         return loaders
+
+    def _reload_due(self, made_in: Optional[int]) -> bool:
+        """Lightning's rule: a loader is made anew once ``reload_dataloaders_every_n_epochs`` epochs have passed.
+
+        ``made_in`` is the epoch the loader in use was made in (``trainer.progress``), saved in
+        checkpoints, so that a resumed run reloads at the epochs the saved run would have; Lightning
+        counts from the epoch it resumed at instead.
+        """
+        t = self.trainer
+        return made_in is None or t.progress.current_epoch - made_in >= t.reload_dataloaders_every_n_epochs
 
     def _sanity_check(self) -> list[Any]:
         """A few validation batches before training, to fail fast; returns the validation loaders."""
@@ -211,10 +283,18 @@ class FitLoop:
         hooks = runner.batch
         assert hooks is not None
         progress = t.progress
-        val_loaders = self.val_loaders
         results = t.metrics.train_results
         results.reset()
         t.metrics.results = results
+        if t.reload_dataloaders_every_n_epochs and self._reload_due(progress.train_loader_epoch):
+            # Before the epoch's hooks and set_epoch, as Lightning reloads.
+            t.train_dataloader = None
+            self.setup_train_dataloader()
+            progress.train_loader_epoch = progress.current_epoch
+            self._fresh_train_loader = True
+        if self.val_loaders is None and self._validates_this_epoch():
+            self.val_loaders = self._setup_val()
+        val_loaders = self.val_loaders or []
         loader = t.train_dataloader
         sampler = getattr(loader, "sampler", None)
         if callable(getattr(sampler, "set_epoch", None)):
@@ -231,7 +311,11 @@ class FitLoop:
 
         n = t.num_training_batches
         start = progress.resume.batch_idx
-        step = TrainingStep(t).run
+        step = TrainingStep(t).manual if self.forward_only else TrainingStep(t).run
+        # With a profiler on (decided per run), the step and each batch fetch are recorded (Lightning's names).
+        profiler = runner.profiler
+        if profiler is not None:
+            step = profiled(profiler, "run_training_batch", step)
         move = batch_mover(t)
         batch_start = hooks.on_train_batch_start
         batch_end = hooks.on_train_batch_end
@@ -252,6 +336,8 @@ class FitLoop:
         agreed_signal: Optional[int] = None
 
         iterator = self._start_epoch_iterator(loader, start)
+        if profiler is not None:
+            iterator = profiled_iter(profiler, "[_TrainingEpochLoop].train_dataloader_next", iterator)
         if (
             start
             and val_enabled
@@ -340,6 +426,7 @@ class FitLoop:
         progress.loop_epoch = progress.current_epoch
         resume_rng = progress.paused_rng
         progress.paused_rng = None
+        fresh, self._fresh_train_loader = self._fresh_train_loader, False
         stateful = callable(getattr(loader, "load_state_dict", None)) and callable(
             getattr(loader, "state_dict", None)
         )
@@ -351,15 +438,21 @@ class FitLoop:
                 # run loads the saved state at an epoch's start, so the run that never stopped does
                 # the same with its own: both then draw alike.
                 loader.load_state_dict(loader.state_dict())
+                return _epoch_of_stateful_loader(loader)
             return iter(loader)
         loader_state = resume.dataloader_state
         resume.dataloader_state = None
         stateful = stateful and loader_state is not None
         if not start:
-            apply_rng_states(resume_rng)
+            # Saved in the epoch's first batch (an error there, say): the sampler drew its order after the
+            # epoch began, so the epoch starts again from its own generators, not from those of the save.
+            apply_rng_states(resume_rng if resume.epoch_rng is None else resume.epoch_rng)
             progress.epoch_start_rng = collect_rng_states()
             if stateful:
-                loader.load_state_dict(loader_state)
+                # A loader made anew for this epoch (reload_dataloaders_every_n_epochs) starts from its
+                # own state, as it did in the saved run: the saved state is the previous loader's.
+                loader.load_state_dict(loader.state_dict() if fresh else loader_state)
+                return _epoch_of_stateful_loader(loader)
             return iter(loader)
         if resume.epoch_rng is not None:
             apply_rng_states(resume.epoch_rng)
@@ -390,6 +483,8 @@ class FitLoop:
         if at_boundary or not module.automatic_optimization:
             # Gradients are not needed until the next step: release their memory for validation.
             t.hook_runner.call_module("on_validation_model_zero_grad")
+        if t.reload_dataloaders_every_n_epochs and self._reload_due(progress.val_loader_epoch):
+            self.val_loaders = self._setup_val()
         run_loop(
             t,
             "validation",
@@ -423,20 +518,39 @@ class FitLoop:
         runner.current_fx = "on_train_epoch_end"
         for cb in t.callbacks:
             if cb not in monitoring:
-                cb.on_train_epoch_end(t, module)
+                runner.call_callback(cb, "on_train_epoch_end")
         runner.call_module("on_train_epoch_end")
         metrics.publish_epoch(results, log=False)
         runner.current_fx = "on_train_epoch_end"
         for cb in monitoring:
-            cb.on_train_epoch_end(t, module)
+            runner.call_callback(cb, "on_train_epoch_end")
         if module.automatic_optimization and not cut:
             update_lr_schedulers(t, "epoch", plateau=True)
         progress.plateau_stepped = True
         _, logged, _ = results.epoch_metrics()
         if logged:
             metrics.log(logged, max(0, progress.batches_that_stepped - 1))
+        results.reset_torchmetrics()
         for lg in t.loggers:
             lg.save()
+
+
+def _epoch_of_stateful_loader(loader: Any) -> Iterator[Any]:
+    """An epoch's iterator of a stateful loader that has just loaded a state taken at an epoch's end.
+
+    The loop stops after the epoch's last batch without asking the iterator for one more, so the
+    state says "every batch yielded" but not "epoch over", and a loader that loads it yields
+    nothing. Such an iterator is replaced by the next one, which begins the new epoch (the same in a
+    resumed run, which loads the same state here).
+    """
+    iterator = iter(loader)
+    first = next(iterator, _EXHAUSTED)
+    if first is _EXHAUSTED:
+        iterator = iter(loader)
+        first = next(iterator, _EXHAUSTED)
+        if first is _EXHAUSTED:
+            return iter(())
+    return itertools.chain((first,), iterator)
 
 
 def _put_back_gradients(trainer: Trainer, grads: dict[str, Any]) -> None:

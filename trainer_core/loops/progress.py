@@ -20,6 +20,8 @@ from trainer_core.checkpoint.format import (
     LOOP_EPOCH_START_RNG,
     LOOP_SAMPLER_SEED,
     LOOP_TOTAL_BATCH_IDX,
+    LOOP_TRAIN_LOADER_EPOCH,
+    LOOP_VAL_LOADER_EPOCH,
     LOOP_VALIDATED_LAST_BATCH,
     LOOP_WORLD_SIZE,
 )
@@ -62,6 +64,8 @@ class Progress:
         "plateau_stepped",
         "resume",
         "total_batch_idx",
+        "train_loader_epoch",
+        "val_loader_epoch",
         "validated_batch",
     )
 
@@ -90,11 +94,17 @@ class Progress:
         # fit loop stops, written by checkpoints meanwhile, put back when the next epoch starts.
         self.paused_rng: Optional[dict[str, Any]] = None
         self.resume = ResumePlan()
+        # Under reload_dataloaders_every_n_epochs only: the epoch the train and val loaders in use
+        # were made in (None: not yet; for validation, none made in a validating epoch yet).
+        self.train_loader_epoch: Optional[int] = None
+        self.val_loader_epoch: Optional[int] = None
 
     def start_fit(self) -> None:
         """A new ``fit`` call: no epoch position yet (the counters carry on, as in Lightning)."""
         self.paused_rng = None
         self.loop_epoch = None
+        self.train_loader_epoch = None
+        self.val_loader_epoch = None
 
     def state_dict(self) -> dict[str, Any]:
         """The loop position in the checkpoint's ``loops`` entry: enough to continue on the very next batch."""
@@ -108,6 +118,10 @@ class Progress:
         }
         if self.epoch_start_rng is not None and not self.epoch_finished:
             state[LOOP_EPOCH_START_RNG] = self.epoch_start_rng
+        if self.train_loader_epoch is not None:
+            state[LOOP_TRAIN_LOADER_EPOCH] = self.train_loader_epoch
+        if self.val_loader_epoch is not None:
+            state[LOOP_VAL_LOADER_EPOCH] = self.val_loader_epoch
         return state
 
     def load_state_dict(
@@ -146,3 +160,5 @@ class Progress:
         self.epoch_start_rng = resume.epoch_rng
         self.paused_rng = rng
         self.validated_batch = state.get(LOOP_VALIDATED_LAST_BATCH, False)
+        self.train_loader_epoch = state.get(LOOP_TRAIN_LOADER_EPOCH)
+        self.val_loader_epoch = state.get(LOOP_VAL_LOADER_EPOCH)

@@ -22,8 +22,10 @@ from lightning_utilities.core.overrides import is_overridden
 from torch import Tensor
 
 from trainer_core.errors import MisconfigurationException
+from trainer_core.hooks import step_caller
 from trainer_core.loops.schedulers import update_lr_schedulers
 from trainer_core.module import LightningModule
+from trainer_core.profilers.base import Profiler, profiled
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -77,12 +79,14 @@ class TrainingStep:
         self.runner = trainer.hook_runner
         self.precision = precision = plugin.precision
         self.needs_context = precision.forward_context_needed
-        self.training_step = plugin.training_step
+        self.training_step = step_caller(trainer, "training_step", plugin.training_step)
         self.batch: Any = None
         self.batch_idx = 0
         self.output: Any = None
         if not module.automatic_optimization:
             self.run = self.manual
+            if self.runner.profiler is not None:
+                self._profile(self.runner.profiler, plugin)
             return
 
         hooks = self.runner.batch
@@ -101,7 +105,7 @@ class TrainingStep:
         # Each layer below is skipped when it would do nothing, so the default step costs about what
         # a hand-written loop does: the module's own training_step, loss.backward(), optimizer.step().
         if type(plugin).training_step is TrainingTypePlugin.training_step:
-            self.training_step = module.training_step
+            self.training_step = step_caller(trainer, "training_step", module.training_step)
         self.plain_backward = (
             type(plugin).backward is TrainingTypePlugin.backward
             and precision.scaler is None
@@ -140,6 +144,25 @@ class TrainingStep:
         else:
             self.update = self._update_by_plugin
         self.run = self.automatic
+        if self.runner.profiler is not None:
+            self._profile(self.runner.profiler, plugin)
+
+    def _profile(self, profiler: Profiler, plugin: Any) -> None:
+        """With a profiler on (decided per epoch): the step's parts recorded under Lightning's names.
+
+        ``optimizer_step`` holds the whole update (the closure's forward and backward included), as in
+        Lightning. The backward goes through the plugin's ``backward`` to be recorded: the same
+        arithmetic as the direct ``loss.backward()`` it replaces.
+        """
+        strategy = f"[Strategy]{type(plugin).__name__}"
+        self.training_step = profiled(profiler, f"{strategy}.training_step", self.training_step)
+        if not self.module.automatic_optimization:
+            return
+        self.plain_backward = False
+        self.backward = profiled(profiler, f"{strategy}.backward", self.backward)
+        self.update = profiled(
+            profiler, f"[LightningModule]{type(self.module).__name__}.optimizer_step", self.update
+        )
 
     # ------------------------------------------------------------------ manual optimization
     def manual(self, batch: Any, batch_idx: int, is_last: bool) -> Any:

@@ -1,4 +1,4 @@
-"""Small helpers the trainer layer shares."""
+"""Small helpers the trainer layer shares, and Lightning's ``lightning.pytorch.utilities`` names users import."""
 
 from __future__ import annotations
 
@@ -8,14 +8,24 @@ from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
-from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import (
+    rank_zero_deprecation,
+    rank_zero_info,
+    rank_zero_only,
+    rank_zero_warn,
+)
+from torch import nn
 
 __all__ = [
     "AttributeDict",
     "as_list",
+    "cli_lightning_logo",
     "extract_batch_size",
+    "grad_norm",
     "listing",
     "move_data_to_device",
+    "rank_zero_deprecation",
+    "rank_zero_info",
     "rank_zero_only",
     "rank_zero_warn",
     "to_float",
@@ -103,3 +113,32 @@ def listing(names: Sequence[str], limit: int = 20) -> str:
     if len(names) > limit:
         shown += f", ... and {len(names) - limit} more"
     return shown
+
+
+def grad_norm(
+    module: nn.Module, norm_type: float | int | str, group_separator: str = "/"
+) -> dict[str, float]:
+    """The ``norm_type`` norm of each parameter's gradient and of all of them together (Lightning's helper).
+
+    Keys as Lightning's: ``grad_{norm}_norm{sep}{name}`` per parameter and ``grad_{norm}_norm_total``;
+    log them from ``on_before_optimizer_step`` with ``self.log_dict(grad_norm(self, norm_type=2))``.
+    """
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"grad_norm(norm_type={norm_type}): use a positive number or 'inf'.")
+    norms = {
+        f"grad_{norm_type}_norm{group_separator}{name}": p.grad.data.norm(norm_type)
+        for name, p in module.named_parameters()
+        if p.grad is not None
+    }
+    if norms:
+        total = torch.tensor(list(norms.values())).norm(norm_type)
+        norms[f"grad_{norm_type}_norm_total"] = total
+    return norms
+
+
+def cli_lightning_logo() -> None:
+    """The banner a Lightning example prints first (``lightning.pytorch.cli_lightning_logo``): ours names trainer-core."""
+    from trainer_core.__about__ import __version__
+
+    print(f"\ntrainer-core {__version__}: a Lightning-style trainer\n")
