@@ -197,6 +197,38 @@ def test_stateful_dataloader_resumes_mid_epoch(tmp_path: Path) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "save_at", [{"step": 13}, {"epoch": 0}, {"step": 14}], ids=["last-batch", "epoch-end", "next-epoch"]
+)
+def test_stateful_dataloader_trains_every_epoch_and_resumes_at_an_epoch_end(
+    tmp_path: Path, save_at: dict
+) -> None:
+    """A stateful loader's state taken after an epoch's last batch says "all yielded", not "epoch over".
+
+    Loaded back at the next epoch's start (the run that never stopped does the same), it must still
+    give the next epoch whole: every epoch trains all its batches, and a run resumed from a save at
+    that moment continues exactly.
+    """
+    torchdata = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def loader() -> torchdata.StatefulDataLoader:
+        return torchdata.StatefulDataLoader(dataloader().dataset, batch_size=8, shuffle=True)
+
+    ckpt = tmp_path / "stateful.ckpt"
+    seed_everything(5)
+    full = ResumeModule()
+    Trainer(**trainer_kwargs(max_epochs=3), callbacks=[SaveAt(str(ckpt), **save_at)]).fit(full, loader())
+    per_epoch = len(loader())
+    assert len(full.losses) == 3 * per_epoch, "an epoch trained fewer batches than the loader has"
+    seed_everything(6)
+    resumed = ResumeModule()
+    Trainer(**trainer_kwargs(max_epochs=3)).fit(resumed, loader(), ckpt_path=ckpt)
+    assert resumed.losses == full.losses[-len(resumed.losses) :]
+    for a, b in zip(full.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     "stop",

@@ -54,6 +54,9 @@ MODULE_API = frozenset(
         "clip_gradients",
         "freeze",
         "unfreeze",
+        "toggled_optimizer",
+        "to_torchscript",
+        "to_onnx",
     }
 )
 

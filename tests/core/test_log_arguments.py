@@ -117,12 +117,15 @@ def test_one_name_without_the_index_from_two_dataloaders_is_refused():
 
 
 # ---------------------------------------------------------------------- metric_attribute
-def test_metric_attribute_is_refused_with_what_to_do():
+def test_metric_attribute_is_accepted_as_in_lightning():
+    # Lightning uses it to find a logged torchmetrics Metric again; nothing here needs it, so it changes nothing
+    # (tests/core/test_torchmetrics.py covers logging Metric objects).
     def train_log(module: LightningModule, batch_idx: int) -> None:
         module.log("acc", 0.5, metric_attribute="train_acc")
 
-    with pytest.raises(MisconfigurationException, match=r"metric_attribute='train_acc'.*metric\.compute\(\)"):
-        fast_trainer(max_steps=1).fit(Net(train_log=train_log), _loader(8))
+    trainer = fast_trainer(max_steps=1)
+    trainer.fit(Net(train_log=train_log), _loader(8))
+    assert float(trainer.callback_metrics["acc"]) == 0.5
 
 
 # ---------------------------------------------------------------------- hparams_file
