@@ -27,13 +27,14 @@ test: $(VENV)/.installed-test
 # The reliability suite at full size (RELIABILITY.md): 50 SIGKILL trials per kind of save and a
 # 10,000-step load run (figures in bench_results/reliability/ as JSON), then the whole resume,
 # plugin-equivalence, resharding (table in bench_results/reshard_matrix.md) and model-parallel matrices
-# (FULL_MATRIX=1).
+# (FULL_MATRIX=1), and Lightning's own programs run under Lightning beside trainer-core (CORPUS_LIVE=1).
 stress: $(VENV)/.installed-test
 	KILL_TRIALS=50 LOAD_STEPS=10000 RELIABILITY_REPORT=bench_results/reliability \
 		$(PY) -m pytest -s -p no:cacheprovider tests/reliability/test_kill_during_save.py tests/reliability/test_load.py $(PYTEST_ARGS)
 	FULL_MATRIX=1 RESHARD_REPORT=bench_results/reshard_matrix.md $(PY) -m pytest -p no:cacheprovider \
 		tests/checkpoint/test_resume_matrix.py tests/plugins/test_equivalence.py \
 		tests/checkpoint/test_reshard_matrix.py tests/plugins/test_model_parallel.py $(PYTEST_ARGS)
+	CORPUS_LIVE=1 $(PY) -m pytest -p no:cacheprovider tests/corpus $(PYTEST_ARGS)
 
 # Every benchmark, each side by side with its baselines; BENCH_ARGS=--quick for a short run.
 BENCHMARKS ?= import_cost overhead checkpoint ddp consolidate fsdp_checkpoint optimizer_in_backward pipeline model_parallel
