@@ -383,7 +383,7 @@ class Trainer:
             return None
         except signals.Preempted as exc:
             signals.finish_preempted(self, exc)
-            self._teardown(stage)
+            self._teardown(stage, finalize_loggers=False)  # finalised as pre-empted already
             return None
         except BaseException as exc:
             self.interrupted = isinstance(exc, KeyboardInterrupt)
@@ -562,7 +562,7 @@ class Trainer:
         profiler.setup(stage=stage, local_rank=rank, log_dir=self.log_dir)
         runner.profiler = profiler
 
-    def _teardown(self, stage: str) -> None:
+    def _teardown(self, stage: str, finalize_loggers: bool = True) -> None:
         runner = self.hook_runner
         runner.call_callbacks("teardown", stage=stage)
         if self.lightning_module is not None:
@@ -572,7 +572,7 @@ class Trainer:
         self.plugin.teardown()
         self.metrics.results = None
         runner.current_fx = None
-        if not self.preempted:  # a pre-empted run finalised its loggers as such
+        if finalize_loggers:
             # After every stage, as Lightning: a logger flushes and closes what it wrote for this one.
             for lg in self.loggers:
                 lg.finalize("success")
