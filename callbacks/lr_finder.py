@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch
+
 from trainer_core.callbacks.base import Callback
 from trainer_core.errors import MisconfigurationException, _TunerExitException
 
@@ -81,3 +83,77 @@ class LearningRateFinder(Callback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.lr_find(trainer, pl_module)
+
+
+class _LRCallback(Callback):
+    """Records, per optimizer step, the learning rate used and the smoothed loss; stops when the loss diverges.
+
+    The loss is Lightning's running average ``avg = beta * avg + (1 - beta) * loss`` divided by
+    ``1 - beta ** (global_step + 1)``; the search stops once that exceeds ``early_stop_threshold``
+    times the best one seen (from the second step on).
+    """
+
+    def __init__(
+        self,
+        num_training: int,
+        early_stop_threshold: Optional[float] = 4.0,
+        show_progress: bool = False,
+        beta: float = 0.98,
+    ) -> None:
+        self.num_training = num_training
+        self.early_stop_threshold = early_stop_threshold
+        self.beta = beta
+        self.losses: list[float] = []
+        self.lrs: list[float] = []
+        self.avg_loss = 0.0
+        self.best_loss = 0.0
+        self.show_progress = show_progress
+        self.progress_bar: Any = None
+        # The optimizer steps taken before the search began.
+        self.start_step = 0
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches != 0:
+            return
+        if self.show_progress and self.progress_bar is None:
+            from tqdm.auto import tqdm
+
+            self.progress_bar = tqdm(desc="Finding best initial lr", total=self.num_training)
+        self.lrs.append(trainer.lr_scheduler_configs[0].scheduler.lr[0])
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches != 0:
+            return
+        if not outputs:
+            # training_step skipped the batch: a NaN keeps the two lists aligned; suggestion() ignores it.
+            self.losses.append(float("nan"))
+            return
+        if self.progress_bar is not None:
+            self.progress_bar.update()
+        loss = outputs if isinstance(outputs, torch.Tensor) else outputs["loss"]
+        current_loss = loss.item()
+        # Steps of this search: Lightning counts the run's, so a search late in a run stopped at once.
+        step = trainer.global_step - self.start_step
+        self.avg_loss = self.beta * self.avg_loss + (1 - self.beta) * current_loss
+        smoothed = self.avg_loss / (1 - self.beta ** (step + 1))
+        if (
+            self.early_stop_threshold is not None
+            and step > 1
+            and smoothed > self.early_stop_threshold * self.best_loss
+        ):
+            trainer.should_stop = True
+            if self.progress_bar is not None:
+                self.progress_bar.close()
+        trainer.should_stop = trainer.plugin.broadcast(trainer.should_stop)
+        if smoothed < self.best_loss or step == 1:
+            self.best_loss = smoothed
+        self.losses.append(smoothed)
+
+    def close(self) -> None:
+        if self.progress_bar is not None:
+            self.progress_bar.close()
+            self.progress_bar = None

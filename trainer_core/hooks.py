@@ -236,6 +236,35 @@ class HookRunner:
             result = fn(*args)
         return result
 
+    def make_after_closure(self, module: LightningModule) -> Optional[Callable[[Optimizer], None]]:
+        """What runs between the backward and the parameter update, or ``None`` when nothing does.
+
+        The ``on_before_optimizer_step`` hooks of :attr:`batch`, then gradient clipping (the module's
+        ``configure_gradient_clipping`` with the Trainer's ``gradient_clip_val``); built once per run,
+        and again by whoever changes the callbacks (the tuner's searches).
+        """
+        trainer = self._trainer
+        hooks = self.batch.on_before_optimizer_step  # type: ignore[union-attr]
+        clip = module.automatic_optimization and (
+            bool(trainer.gradient_clip_val)
+            or is_overridden("configure_gradient_clipping", module, LightningModule)
+        )
+        if not hooks and not clip:
+            return None
+
+        def after_closure(optimizer: Optimizer) -> None:
+            if hooks:
+                self.run("on_before_optimizer_step", hooks, optimizer)
+            if clip:
+                self.current_fx = "configure_gradient_clipping"
+                module.configure_gradient_clipping(
+                    optimizer,
+                    gradient_clip_val=trainer.gradient_clip_val,
+                    gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+                )
+
+        return after_closure
+
     @contextlib.contextmanager
     def running(self, name: str) -> Iterator[None]:
         """For code that calls a hook itself (a plugin calling each model part's): name it meanwhile."""

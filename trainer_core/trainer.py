@@ -454,7 +454,7 @@ class Trainer:
         if stage == "fit" and self.optimizer_in_backward:
             self._check_module_for_optimizer_in_backward(module)
             self.plugin.setup_optimizer_in_backward()
-        runner.after_closure = self._make_after_closure(module)
+        runner.after_closure = runner.make_after_closure(module)
         self.metrics.train_results.plugin = self.plugin
 
     def _count_manual_step(self) -> None:
@@ -524,30 +524,6 @@ class Trainer:
         for cb in self.callbacks:
             if callback_overrides(cb, "on_before_optimizer_step"):
                 raise refuse(f"the callback {type(cb).__name__}.on_before_optimizer_step", gradients_gone)
-
-    def _make_after_closure(self, module: LightningModule) -> Optional[Callable[[Optimizer], None]]:
-        """What runs between the backward and the parameter update, or ``None`` when nothing does."""
-        runner = self.hook_runner
-        hooks = runner.batch.on_before_optimizer_step
-        clip = module.automatic_optimization and (
-            bool(self.gradient_clip_val)
-            or is_overridden("configure_gradient_clipping", module, LightningModule)
-        )
-        if not hooks and not clip:
-            return None
-
-        def after_closure(optimizer: Optimizer) -> None:
-            if hooks:
-                runner.run("on_before_optimizer_step", hooks, optimizer)
-            if clip:
-                runner.current_fx = "configure_gradient_clipping"
-                module.configure_gradient_clipping(
-                    optimizer,
-                    gradient_clip_val=self.gradient_clip_val,
-                    gradient_clip_algorithm=self.gradient_clip_algorithm,
-                )
-
-        return after_closure
 
     def _setup_profiler(self, stage: str) -> None:
         """Whether this run profiles, decided once: hooks and loop steps are wrapped only when it does."""

@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from trainer_core.callbacks.base import Callback
 from trainer_core.errors import MisconfigurationException
 from trainer_core.utilities import rank_zero_warn
 
 if TYPE_CHECKING:
+    from trainer_core.callbacks.base import Callback
     from trainer_core.datamodule import LightningDataModule
     from trainer_core.module import LightningModule
     from trainer_core.trainer import Trainer
@@ -226,7 +226,7 @@ class _Search:
         t = self.trainer
         t.callbacks = callbacks
         t.hook_runner.batch = BatchHooks(t, t.lightning_module, callbacks)
-        t.hook_runner.after_closure = t._make_after_closure(t.lightning_module)
+        t.hook_runner.after_closure = t.hook_runner.make_after_closure(t.lightning_module)
 
     def reset_progress(self) -> None:
         """The loop counters as they stood when the search began (before each batch-size trial)."""
@@ -379,80 +379,6 @@ class _LRFinder:
         return fig
 
 
-class _LRCallback(Callback):
-    """Records, per optimizer step, the learning rate used and the smoothed loss; stops when the loss diverges.
-
-    The loss is Lightning's running average ``avg = beta * avg + (1 - beta) * loss`` divided by
-    ``1 - beta ** (global_step + 1)``; the search stops once that exceeds ``early_stop_threshold``
-    times the best one seen (from the second step on).
-    """
-
-    def __init__(
-        self,
-        num_training: int,
-        early_stop_threshold: Optional[float] = 4.0,
-        show_progress: bool = False,
-        beta: float = 0.98,
-    ) -> None:
-        self.num_training = num_training
-        self.early_stop_threshold = early_stop_threshold
-        self.beta = beta
-        self.losses: list[float] = []
-        self.lrs: list[float] = []
-        self.avg_loss = 0.0
-        self.best_loss = 0.0
-        self.show_progress = show_progress
-        self.progress_bar: Any = None
-        # The optimizer steps taken before the search began.
-        self.start_step = 0
-
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches != 0:
-            return
-        if self.show_progress and self.progress_bar is None:
-            from tqdm.auto import tqdm
-
-            self.progress_bar = tqdm(desc="Finding best initial lr", total=self.num_training)
-        self.lrs.append(trainer.lr_scheduler_configs[0].scheduler.lr[0])
-
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches != 0:
-            return
-        if not outputs:
-            # training_step skipped the batch: a NaN keeps the two lists aligned; suggestion() ignores it.
-            self.losses.append(float("nan"))
-            return
-        if self.progress_bar is not None:
-            self.progress_bar.update()
-        loss = outputs if isinstance(outputs, torch.Tensor) else outputs["loss"]
-        current_loss = loss.item()
-        # Steps of this search: Lightning counts the run's, so a search late in a run stopped at once.
-        step = trainer.global_step - self.start_step
-        self.avg_loss = self.beta * self.avg_loss + (1 - self.beta) * current_loss
-        smoothed = self.avg_loss / (1 - self.beta ** (step + 1))
-        if (
-            self.early_stop_threshold is not None
-            and step > 1
-            and smoothed > self.early_stop_threshold * self.best_loss
-        ):
-            trainer.should_stop = True
-            if self.progress_bar is not None:
-                self.progress_bar.close()
-        trainer.should_stop = trainer.plugin.broadcast(trainer.should_stop)
-        if smoothed < self.best_loss or step == 1:
-            self.best_loss = smoothed
-        self.losses.append(smoothed)
-
-    def close(self) -> None:
-        if self.progress_bar is not None:
-            self.progress_bar.close()
-            self.progress_bar = None
-
-
 class _LinearLR(LRScheduler):
     """From the optimizer's learning rate to ``end_lr`` in ``num_iter`` equal steps (Lightning's schedule).
 
@@ -547,6 +473,8 @@ def _lr_find(
         attr_name = _determine_lr_attr_name(model, attr_name)
     lr_finder = _LRFinder(mode, min_lr, max_lr, num_training)
     start_step = trainer.global_step
+    from trainer_core.callbacks.lr_finder import _LRCallback
+
     callback = _LRCallback(
         num_training, early_stop_threshold, show_progress=trainer.progress_bar_callback is not None
     )

@@ -94,11 +94,17 @@ def _all_imports(path: Path) -> list[tuple[int, str]]:
     return _imports_in(ast.parse(path.read_text()).body, at_import_time=False)
 
 
+# Where the core may import plugins and callbacks at import time: the connector, which builds them from the
+# Trainer's arguments, and LightningCLI, which builds a whole run (Trainer, module, callbacks) from a config
+# and whose SaveConfigCallback is itself a callback.
+FRONT_ENDS = {CORE / "connectors.py", CORE / "cli.py"}
+
+
 def test_the_core_imports_plugins_and_callbacks_only_through_the_connector() -> None:
     offending = [
         f"{path.relative_to(ROOT)}:{line}: {module}"
         for path in _sources(CORE)
-        if path != CORE / "connectors.py"
+        if path not in FRONT_ENDS
         for line, module in _module_level_imports(path)
         if module.startswith(("trainer_core.plugins", "trainer_core.callbacks"))
     ]
