@@ -100,6 +100,9 @@ class PendingRestore:
     # Checked and prepared already when the optimizers existed at the first step.
     optimizer_states: Optional[list[Any]] = None
     scheduler_states: Optional[list[dict[str, Any]]] = None
+    # The weights the model had before the first step loaded the checkpoint's, on the CPU, while the second
+    # step's checks (against optimizers that did not exist yet) may still refuse the file.
+    previous_weights: Optional[dict[str, Any]] = None
 
 
 def restore_module_and_callbacks(
@@ -146,6 +149,13 @@ def restore_module_and_callbacks(
             _check_optimizer_names(module, checkpoint[KEY_OPTIMIZER_STATES], path)
 
     # Nothing has changed yet; from here on the weights are known to fit.
+    if not weights_only and not optimizers_ready:
+        # The optimizer and scheduler states can only be checked once configure_optimizers has run: until
+        # then the model's own weights are kept, to be put back if those checks refuse the file. (Plugins
+        # whose weights are sharded restore after setup, with every check first, and keep no copy.)
+        pending.previous_weights = {
+            k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()
+        }
     plugin.load_model_state_dict(checkpoint[KEY_STATE_DICT], strict=strict)
     trainer.ckpt_path = path
     if weights_only:
@@ -170,16 +180,23 @@ def restore_training_state(trainer: Trainer, pending: PendingRestore) -> None:
     """
     plugin = trainer.plugin
     checkpoint, path = pending.checkpoint, pending.path
-    # A Lightning checkpoint's optimizer states are index-keyed until the optimizers exist to name them.
-    name_pending_optimizer_states(checkpoint, trainer.lightning_module, plugin.optimizers, path)
-    scheduler_states = pending.scheduler_states
-    if scheduler_states is None:
-        scheduler_states = _scheduler_states_for(
-            checkpoint[KEY_LR_SCHEDULERS], len(plugin.lr_scheduler_configs), path
-        )
-    optimizer_states = pending.optimizer_states
-    if optimizer_states is None:
-        optimizer_states = _optimizer_states_for(trainer, checkpoint[KEY_OPTIMIZER_STATES], path)
+    try:
+        # A Lightning checkpoint's optimizer states are index-keyed until the optimizers exist to name them.
+        name_pending_optimizer_states(checkpoint, trainer.lightning_module, plugin.optimizers, path)
+        scheduler_states = pending.scheduler_states
+        if scheduler_states is None:
+            scheduler_states = _scheduler_states_for(
+                checkpoint[KEY_LR_SCHEDULERS], len(plugin.lr_scheduler_configs), path
+            )
+        optimizer_states = pending.optimizer_states
+        if optimizer_states is None:
+            optimizer_states = _optimizer_states_for(trainer, checkpoint[KEY_OPTIMIZER_STATES], path)
+    except CheckpointError:
+        if pending.previous_weights is not None:
+            # The file does not fit this run's optimizers: the model gets its own weights back.
+            plugin.load_model_state_dict(pending.previous_weights)
+        raise
+    pending.previous_weights = None
     for opt, state in zip(plugin.optimizers, optimizer_states):
         plugin.load_optimizer_state_dict(opt, state)
     regrouped = len(checkpoint[KEY_LR_SCHEDULERS]) != len(plugin.lr_scheduler_configs)
