@@ -7,13 +7,29 @@ first one whose ``detect()`` holds is used, in the order torchrun, SLURM, local.
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 from typing import Optional
 
+# Below Linux's default ephemeral range (32768-60999): a port the kernel hands out for outgoing connections
+# (gloo opens many between ranks) can be taken between our check and the rendezvous binding it.
+_PORT_RANGE = (20000, 32000)
+
 
 def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now, outside the ephemeral range where possible."""
+    rng = (
+        random.Random()
+    )  # its own generator: the user's seeded global RNG must not decide (or be moved by) this
+    for _ in range(50):
+        port = rng.randrange(*_PORT_RANGE)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
