@@ -33,7 +33,9 @@ stress: $(VENV)/.installed-test
 		$(PY) -m pytest -s -p no:cacheprovider tests/reliability/test_kill_during_save.py tests/reliability/test_load.py $(PYTEST_ARGS)
 	FULL_MATRIX=1 RESHARD_REPORT=bench_results/reshard_matrix.md $(PY) -m pytest -p no:cacheprovider \
 		tests/checkpoint/test_resume_matrix.py tests/plugins/test_equivalence.py \
-		tests/checkpoint/test_reshard_matrix.py tests/plugins/test_model_parallel.py $(PYTEST_ARGS)
+		tests/checkpoint/test_reshard_matrix.py tests/plugins/test_model_parallel.py \
+		tests/checkpoint/test_lightning_checkpoint.py tests/loggers/test_mlflow.py tests/loggers/test_wandb.py \
+		tests/core/test_profiler.py $(PYTEST_ARGS)
 	CORPUS_LIVE=1 $(PY) -m pytest -p no:cacheprovider tests/corpus $(PYTEST_ARGS)
 
 # Every benchmark, each side by side with its baselines; BENCH_ARGS=--quick for a short run.

@@ -17,7 +17,24 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from launch import LAUNCH_VARS
 from s3_server import S3Server, run_s3_server
+
+
+@pytest.fixture(autouse=True)
+def no_launch_variables_leak() -> Iterator[None]:
+    """Launch variables a test's in-process run set (our launcher sets MASTER_PORT here) end with the test.
+
+    A later job started from this worker would inherit them and try to rendezvous on a port an object
+    of the earlier run may still hold (CI saw EADDRINUSE in a 2-rank job started by a module fixture).
+    """
+    before = {name: os.environ.get(name) for name in LAUNCH_VARS}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture

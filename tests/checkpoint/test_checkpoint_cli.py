@@ -18,7 +18,7 @@ import pytest
 import torch
 from boring import quiet_trainer
 from dist_job import Net, data
-from launch import JOBS
+from launch import JOBS, job_env
 from torch.utils.data import DataLoader
 
 from trainer_core import Trainer, seed_everything
@@ -106,7 +106,12 @@ def sharded_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("fsdp")
     cmd = [sys.executable, str(JOBS / "dist_job.py"), "--plugin", "fsdp_sharded", "--devices", "2"]
     result = subprocess.run(
-        [*cmd, "--out", "out", "--ckpt-every-epoch"], cwd=tmp, capture_output=True, text=True, timeout=120
+        [*cmd, "--out", "out", "--ckpt-every-epoch"],
+        cwd=tmp,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     folder = tmp / "out" / "ckpts" / f"epoch=1-step={SHARDED_STEP}.ckpt"

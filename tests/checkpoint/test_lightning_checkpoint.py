@@ -473,7 +473,10 @@ def test_inspect_says_it_is_a_lightning_checkpoint(
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "plugin",
-    ["ddp", pytest.param("fsdp", marks=pytest.mark.skipif(not FULL, reason="with FULL_MATRIX=1 (45 s)"))],
+    [
+        pytest.param("ddp", marks=pytest.mark.skipif(not FULL, reason="with FULL_MATRIX=1 (make stress)")),
+        pytest.param("fsdp", marks=pytest.mark.skipif(not FULL, reason="with FULL_MATRIX=1 (45 s)")),
+    ],
 )
 def test_resume_on_two_ranks(lightning_runs: dict[str, LightningRun], tmp_path: Path, plugin: str) -> None:
     """2 ranks read the same batches, so the run must end on the one-process Lightning run's weights.
