@@ -193,6 +193,13 @@ def select_named_state(named_state: Mapping[str, Any], names: Iterable[str]) -> 
     }
 
 
+def named_parameters_of(named_state: Mapping[str, Any]) -> set[str]:
+    """Every parameter name a name-keyed optimizer state mentions (in its state or its groups)."""
+    return set(named_state.get(_STATE, {})) | {
+        n for group in named_state.get(_PARAM_GROUPS, []) for n in group.get(_PARAMS, [])
+    }
+
+
 def check_named_state_covers(
     named_state: Mapping[str, Any], module: nn.Module, owner: str, path: str
 ) -> None:
@@ -202,9 +209,7 @@ def check_named_state_covers(
     where the per-optimizer check of :func:`optimizer_state_from_names` cannot see the whole.
     """
     wanted = {name for name, p in module.named_parameters() if p.requires_grad}
-    saved = set(named_state.get("state", {})) | {
-        n for g in named_state.get("param_groups", []) for n in g["params"]
-    }
+    saved = named_parameters_of(named_state)
     missing, unexpected = sorted(wanted - saved), sorted(saved - wanted)
     if missing or unexpected:
         raise CheckpointError(

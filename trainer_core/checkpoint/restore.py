@@ -39,7 +39,7 @@ from trainer_core.checkpoint.lightning import (
     is_lightning_checkpoint,
     name_pending_optimizer_states,
 )
-from trainer_core.checkpoint.optimizer import merge_named_states, select_named_state
+from trainer_core.checkpoint.optimizer import merge_named_states, named_parameters_of, select_named_state
 from trainer_core.checkpoint.save import data_replicas, loader_batch_size
 from trainer_core.errors import CheckpointError, MisconfigurationException
 from trainer_core.optim import rebase_learning_rates
@@ -212,10 +212,7 @@ def restore_training_state(trainer: Trainer, pending: PendingRestore) -> None:
 def _check_optimizer_names(module: LightningModule, saved: list[dict[str, Any]], path: str) -> None:
     """Before the optimizers exist: every parameter a saved optimizer state names is one of the module's."""
     names = {name for name, _ in module.named_parameters()}
-    saved_names = {n for state in saved for n in state.get("state", {})} | {
-        n for state in saved for group in state.get("param_groups", []) for n in group.get("params", [])
-    }
-    unknown = sorted(saved_names - names)
+    unknown = sorted(set().union(*map(named_parameters_of, saved)) - names)
     if unknown:
         raise CheckpointError(
             f"the optimizer state in {path} names parameters the model does not have: {unknown[:20]}. "
