@@ -13,7 +13,13 @@ from trainer_core.plugins.environments import (
     SLURMEnvironment,
     TorchElasticEnvironment,
 )
-from trainer_core.plugins.io import AsyncCheckpointIO, CheckpointIO, TorchCheckpointIO, WrappingCheckpointIO
+from trainer_core.plugins.io import (
+    AsyncCheckpointIO,
+    CheckpointIO,
+    FrozenBlobCheckpointIO,
+    TorchCheckpointIO,
+    WrappingCheckpointIO,
+)
 from trainer_core.plugins.registry import available_plugins, plugin_from_name, register_plugin
 from trainer_core.plugins.single_device import SingleDevicePlugin
 
@@ -25,6 +31,7 @@ __all__ = [
     "DDPShardedPlugin",
     "DistributedCheckpointIO",
     "FSDPPlugin",
+    "FrozenBlobCheckpointIO",
     "LocalEnvironment",
     "ModelParallelPlugin",
     "ParallelDims",

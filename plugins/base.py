@@ -8,6 +8,7 @@ all the consolidation rule of ``optimizer_state``.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
 import difflib
@@ -22,6 +23,7 @@ from trainer_core.errors import MisconfigurationException
 from trainer_core.optim import LRSchedulerConfig, optimizer_defaults, parse_optimizers
 from trainer_core.precision import Precision
 from trainer_core.utilities import move_data_to_device
+from trainer_core.utilities.compile import module_state_dict, plain_state_dict
 
 __all__ = ["TrainingTypePlugin", "optimizer_defaults"]
 
@@ -45,6 +47,9 @@ class TrainingTypePlugin:
     name: str = "base"
     #: Why ``Trainer(optimizer_in_backward=True)`` cannot run under this plugin, or ``None`` when it can.
     optimizer_in_backward_unsupported: Optional[str] = None
+    #: Why a whole LightningModule given as ``torch.compile(module)`` cannot run compiled under this plugin
+    #: (its step methods are not what runs), or ``None``; compiled submodules run under every plugin.
+    compiled_module_unsupported: Optional[str] = None
     #: Why a checkpoint written between two optimizer steps of gradient accumulation does not resume
     #: exactly under this plugin (the gradients accumulated so far are not saved), or ``None``.
     mid_accumulation_gradients_unsaved: Optional[str] = None
@@ -411,18 +416,30 @@ class TrainingTypePlugin:
         )
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's full state dict (parameters, buffers and extra state), keyed by name."""
+        """The model's full state dict (parameters, buffers and extra state), keyed by name.
+
+        Names are the plain ones: a compiled submodule's ``_orig_mod`` is left out (utilities/compile.py).
+        """
         assert self._lightning_module is not None
-        return self._lightning_module.state_dict()
+        return plain_state_dict(self._lightning_module.state_dict())  # type: ignore[return-value]
 
     def load_model_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Load ``state_dict`` (plain names, or ``_orig_mod`` ones) into the module, compiled parts or not."""
         assert self._lightning_module is not None
-        self._lightning_module.load_state_dict(state_dict, strict=strict)
+        module = self._lightning_module
+        module.load_state_dict(module_state_dict(module, state_dict), strict=strict)
 
     def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        if callable(getattr(optimizer, "consolidate_state_dict", None)):
-            # Sharded optimizers (OSS, ZeRO) edit the dict they load; each rank gets its own copy.
-            state_dict = copy.deepcopy(state_dict)
+        """Load an index-keyed state; the optimizer keeps copies, never the tensors of the loaded file.
+
+        The checkpoint may be a mapped file (``TorchCheckpointIO(mmap=True)``), whose pages the
+        optimizer must not hold on to for the rest of the run (a file overwritten in place, or
+        deleted by retention, would stay pinned). A sharded optimizer (OSS, ZeRO) also edits the dict
+        it loads; it gets copies of its own partition's states only, so a rank never holds a copy of
+        the whole optimizer state.
+        """
+        if state_dict:
+            state_dict = _own_partition(optimizer, state_dict)
         optimizer.load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ checkpoint files
@@ -491,3 +508,67 @@ def _accepts_to(fn: Callable[..., Any]) -> bool:
         return "to" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+
+
+def _own_partition(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with the per-parameter states this rank's ``optimizer`` keeps, none from a mapped file.
+
+    fairscale ``OSS`` and torch ``ZeroRedundancyOptimizer`` map each parameter to the rank that owns
+    its state (``_param_to_rank``); the states of other ranks' parameters become empty here, as both
+    would make them anyway, so only the rank's own partition is copied. Every other optimizer keeps
+    every state. The dicts are new (sharded optimizers edit the dict they load); tensors are copied
+    when they live in a file mapping, else passed as they are (``load_state_dict`` copies what it
+    must cast or move).
+    """
+    mapped = _file_mapped_ranges()
+    sharded = hasattr(optimizer, "consolidate_state_dict")
+    owner = getattr(optimizer, "_param_to_rank", None) if sharded else None
+    rank = getattr(optimizer, "rank", None)
+    if sharded and not (isinstance(owner, dict) and isinstance(rank, int)):
+        return copy.deepcopy(state_dict)  # a sharded optimizer whose partition is unknown here
+    mine = None
+    if owner is not None:
+        # Indices number the parameters in the order of the optimizer's groups (torch's and OSS's convention).
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        ordered = [index for group in state_dict["param_groups"] for index in group["params"]]
+        mine = {index for index, param in zip(ordered, params) if owner.get(param) == rank}
+    state = {
+        index: _unmapped(value, mapped) if mine is None or index in mine else {}
+        for index, value in state_dict["state"].items()
+    }
+    rest = {key: value for key, value in state_dict.items() if key != "state"}
+    return {**copy.deepcopy(rest), "state": state}
+
+
+def _unmapped(value: Any, mapped: Optional[list[tuple[int, int]]]) -> Any:
+    """``value`` with new containers, and a private copy of each tensor that lives in a file mapping."""
+    if isinstance(value, Tensor):
+        if mapped is None:
+            return value.clone()
+        address = value.untyped_storage().data_ptr()
+        at = bisect.bisect_right(mapped, (address, float("inf"))) - 1
+        return value.clone() if at >= 0 and address < mapped[at][1] else value
+    if isinstance(value, dict):
+        return {key: _unmapped(item, mapped) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_unmapped(item, mapped) for item in value)
+    return copy.deepcopy(value)
+
+
+def _file_mapped_ranges() -> Optional[list[tuple[int, int]]]:
+    """Address ranges of this process mapped from files (``/proc/self/maps``); ``None`` where unknown.
+
+    A tensor of a checkpoint read with ``torch.load(mmap=True)`` lies in one of them.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.readlines()
+    except OSError:
+        return None
+    ranges = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):  # inode, path: a file
+            start, end = fields[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return sorted(ranges)

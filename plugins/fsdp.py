@@ -11,7 +11,7 @@ shards through ``DistributedCheckpointIO``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
@@ -212,25 +212,54 @@ class FSDPPlugin(ParallelPlugin):
     def _full(self) -> bool:
         return self.state_dict_type == "full"
 
+    def _full_state(self, state_dict: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        """The full state on rank 0 (``{}`` elsewhere) of ``state_dict(options)``, torch's getter of a state.
+
+        torch's full state dict gathers one tensor at a time to every rank; this takes torch's sharded
+        state dict (same keys, same order) and gathers its shards to rank 0 in buckets of bounded size
+        (``fsdp_gather``), with the same result bit for bit. torch's own path remains for states the
+        buckets do not know, and when ``fsdp_gather.GATHER_BUCKET_BYTES`` is ``None``.
+        """
+        from trainer_core.plugins import fsdp_gather
+
+        if fsdp_gather.GATHER_BUCKET_BYTES is not None:
+            sharded = state_dict(self._options(full=False))
+            if fsdp_gather.can_gather(sharded):
+                return fsdp_gather.gather_full_state_dict(sharded)
+        return state_dict(self._options(full=True))
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(self._lightning_module, options=self._options(self._full))
+        module = self._lightning_module
+        if self._full:
+            return self._full_state(lambda options: get_model_state_dict(module, options=options))
+        return get_model_state_dict(module, options=self._options(full=False))
 
     def load_model_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        options = StateDictOptions(full_state_dict=_is_full(state_dict), strict=strict)
-        set_model_state_dict(self._lightning_module, state_dict, options=options)
+        from_rank0 = _from_rank0(state_dict)
+        options = StateDictOptions(
+            full_state_dict=_is_full(state_dict), broadcast_from_rank0=from_rank0, strict=strict
+        )
+        # torch puts this rank's shards of a full state into the dict it is given: a copy of the dict,
+        # so that the checkpoint (kept until the optimizers load) does not hold them as well. Broadcast
+        # from rank 0, the other ranks give torch nothing: it maps names (``_orig_mod``) on rank 0 only.
+        given = {} if from_rank0 and self.global_rank != 0 else dict(state_dict)
+        set_model_state_dict(self._lightning_module, given, options=options)
 
     def named_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Keyed by parameter name already (torch's fully-qualified names of the module)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+        module = self._lightning_module
         with _no_state_initialisation(optimizer):
-            return get_optimizer_state_dict(
-                self._lightning_module, optimizer, options=self._options(self._full)
-            )
+            if self._full:
+                return self._full_state(
+                    lambda options: get_optimizer_state_dict(module, optimizer, options=options)
+                )
+            return get_optimizer_state_dict(module, optimizer, options=self._options(full=False))
 
     def prepare_optimizer_state(self, optimizer: Optimizer, named_state: dict[str, Any], path: str) -> Any:
         from trainer_core.checkpoint import check_named_state_covers
@@ -242,8 +271,10 @@ class FSDPPlugin(ParallelPlugin):
     def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        options = StateDictOptions(full_state_dict=_is_full(state_dict))
-        set_optimizer_state_dict(self._lightning_module, optimizer, state_dict, options=options)
+        from_rank0 = _from_rank0(state_dict)
+        options = StateDictOptions(full_state_dict=_is_full(state_dict), broadcast_from_rank0=from_rank0)
+        given = {} if from_rank0 and self.global_rank != 0 else state_dict
+        set_optimizer_state_dict(self._lightning_module, optimizer, given, options=options)
 
     def load_checkpoint(self, filepath: str) -> dict[str, Any]:
         """A sharded folder is read straight into this run's own shards (resharded by DCP); a file whole."""
@@ -333,6 +364,24 @@ def _is_full(state: dict[str, Any]) -> bool:
     # No tensors at all (the state of SGD without momentum): torch's full-state path needs a tensor
     # to find the device, while the sharded path loads the parameter groups alone.
     return False
+
+
+def _from_rank0(state: dict[str, Any]) -> bool:
+    """Whether a state is loaded from rank 0's full tensors: only plain tensors, at least one.
+
+    Rank 0 sends each full tensor in turn and every rank copies its own slice into the shard it
+    already holds, so a rank adds one tensor in flight, not a copy of its shards (torch's default
+    for a full state builds new shards from every rank's own full tensors, then replaces the old).
+    Every rank has the same file mapped, so only rank 0's pages of it are ever read.
+    """
+    from torch.distributed.tensor import DTensor
+
+    found = False
+    for value in _tensors(state):
+        if isinstance(value, DTensor):
+            return False
+        found = True
+    return found
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

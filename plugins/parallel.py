@@ -10,7 +10,10 @@ of an N-D layout is ``ParallelDims``'s business (``plugins/parallel_dims.py``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import tempfile
+import uuid
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
@@ -277,6 +280,79 @@ class ParallelPlugin(TrainingTypePlugin):
         flag = torch.tensor(int(decision), device=self.root_device)
         dist.all_reduce(flag, op=dist.ReduceOp.SUM)
         return bool(flag.item() == self.world_size) if all else bool(flag.item() > 0)
+
+    # ------------------------------------------------------------------ checkpoint files
+    def load_checkpoint(self, filepath: str) -> dict[str, Any]:
+        """A file on an object store is downloaded once per node and mapped by every rank there.
+
+        Each rank reading the store itself would fetch the file once per rank and hold as many
+        copies in the node's memory; instead the node's local rank 0 downloads it to a local
+        temporary file, every rank of the node loads that file (mapped: its pages sit once in the
+        page cache, and each rank copies out only what it keeps), and the file is removed once all
+        have loaded. Local files, folders and one-process runs load as before.
+        """
+        shared = self._shared_download(filepath)
+        if shared is None:
+            return super().load_checkpoint(filepath)
+        fs, fs_path = shared
+        from trainer_core.errors import CheckpointError
+        from trainer_core.plugins.io.object_store import download_to_local
+        from trainer_core.plugins.io.torch_io import prefetched
+
+        token = self.broadcast(uuid.uuid4().hex if self.is_global_zero else None)
+        name = f".trainer-core-load-{token}-node{self.node_rank}.ckpt"
+        local_path = os.path.join(tempfile.gettempdir(), name)
+        try:
+            error: Optional[str] = None
+            if self.local_rank == 0:
+                try:
+                    concurrency = getattr(self.checkpoint_io.unwrapped, "transfer_concurrency", None)
+                    options = {"concurrency": concurrency} if concurrency else {}
+                    download_to_local(fs, fs_path, local_path, **options)
+                except Exception as err:
+                    error = f"Could not download the checkpoint {filepath} (node {self.node_rank}): {err}"
+            # Also the barrier after which every node has its copy.
+            failed = [e for e in self.all_gather_object(error) if e is not None]
+            if failed:
+                raise CheckpointError(
+                    f"{failed[0]}. Nothing was loaded; check the connection and credentials and load again."
+                )
+            checkpoint: Optional[dict[str, Any]] = None
+            load_error: Optional[Exception] = None
+            try:
+                with prefetched(fs, fs_path, local_path):
+                    checkpoint = self.checkpoint_io.load_checkpoint(filepath)
+            except Exception as err:
+                load_error = err
+            # Every rank has mapped (or read) the file before it is removed.
+            failed = [e for e in self.all_gather_object(None if load_error is None else str(load_error)) if e]
+        finally:
+            if self.local_rank == 0:
+                with contextlib.suppress(OSError):
+                    os.remove(local_path)
+        if load_error is not None:
+            raise load_error
+        if failed:
+            raise CheckpointError(f"Another rank could not load the checkpoint {filepath}: {failed[0]}")
+        assert checkpoint is not None
+        return checkpoint
+
+    def _shared_download(self, filepath: str) -> Optional[tuple[Any, str]]:
+        """``(filesystem, path)`` of a single checkpoint file on an object store, for a run of several processes."""
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        from trainer_core.paths import is_local
+
+        if self.world_size == 1 or not dist.is_initialized():
+            return None
+        try:
+            fs, fs_path = self.checkpoint_io.unwrapped._resolve(filepath)
+            # Local disk (mapped directly), a sharded folder (DCP), or missing (the plain load says so).
+            if is_local(fs) or isinstance(fs, MemoryFileSystem) or not fs.isfile(fs_path):
+                return None
+        except Exception:
+            return None  # an unknown protocol or unreachable store: the plain load reports it
+        return fs, fs_path
 
 
 # Set when this process's run failed: its peers may be gone or blocked, so exit must not wait for them.

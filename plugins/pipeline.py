@@ -96,6 +96,11 @@ class PipelinePlugin(ParallelPlugin):
     """
 
     name = "pipeline"
+    compiled_module_unsupported = (
+        "the stages run the split module's parts, not the compiled training_step, so the compilation would be "
+        "lost. Compile the parts instead (`torch.compile` of a submodule in `configure_model`), or pass the "
+        "module uncompiled"
+    )
     # Each rank loads the weights of the stages it holds, which exist once setup has split the model.
     restore_checkpoint_after_setup = True
     optimizer_in_backward_unsupported = (

@@ -46,6 +46,7 @@ from trainer_core.optim import LightningOptimizer, LRSchedulerConfig
 from trainer_core.precision import Precision
 from trainer_core.profilers import Profiler, is_active, resolve_profiler
 from trainer_core.utilities import rank_zero_only, rank_zero_warn
+from trainer_core.utilities.compile import is_compiled, is_compiled_lightning_module, unwrap_compiled_module
 
 if TYPE_CHECKING:
     from trainer_core.callbacks import Callback
@@ -354,6 +355,11 @@ class Trainer:
         datamodule: Optional[LightningDataModule],
         body: Callable[[], Any],
     ) -> Any:
+        unsupported = self.plugin.compiled_module_unsupported
+        if unsupported and is_compiled_lightning_module(model):
+            raise MisconfigurationException(
+                f"`trainer.{stage}(torch.compile(model))` under {type(self.plugin).__name__}: {unsupported}."
+            )
         self.state_stage = stage
         self.training = stage == "fit"
         self.should_stop = False
@@ -754,7 +760,14 @@ class Trainer:
 
 
 def _check_module(model: Any, stage: str) -> LightningModule:
+    # `torch.compile(module)`: the module itself, its steps compiled (utilities/compile.py).
+    model = unwrap_compiled_module(model)
     if not isinstance(model, LightningModule):
+        if is_compiled(model):
+            raise MisconfigurationException(
+                f"`trainer.{stage}()` needs a trainer_core.LightningModule, got {type(model._orig_mod).__name__} "
+                "compiled by torch.compile. Compile the LightningModule itself, or the submodule inside it."
+            )
         raise MisconfigurationException(
             f"`trainer.{stage}()` needs a trainer_core.LightningModule, got {type(model).__name__}."
         )

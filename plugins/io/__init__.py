@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer_core.plugins.io.async_io import AsyncCheckpointIO
 from trainer_core.plugins.io.checkpoint_io import COMMIT_MARKER_SUFFIX, CheckpointIO, WrappingCheckpointIO
+from trainer_core.plugins.io.frozen_io import FrozenBlobCheckpointIO
 from trainer_core.plugins.io.torch_io import TorchCheckpointIO
 
 if TYPE_CHECKING:
@@ -20,6 +21,7 @@ __all__ = [
     "AsyncCheckpointIO",
     "CheckpointIO",
     "DistributedCheckpointIO",
+    "FrozenBlobCheckpointIO",
     "TorchCheckpointIO",
     "WrappingCheckpointIO",
 ]

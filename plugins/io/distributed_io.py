@@ -25,7 +25,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
@@ -53,6 +53,8 @@ TRAINER_STATE_FILE = "trainer_state.pt"
 #: What completes a sharded folder, in the order it is written: rank 0's trainer state, then DCP's metadata.
 SHARDED_COMMIT_FILES = (TRAINER_STATE_FILE, METADATA_FILE)
 _SHARDED_KEYS = (KEY_STATE_DICT, KEY_OPTIMIZER_STATES)
+#: Shard files each rank writes to, and reads from, an object store at the same time.
+SHARD_IO_THREADS = 4
 
 
 def is_sharded_checkpoint(path: PathLike, storage_options: Optional[dict[str, Any]] = None) -> bool:
@@ -347,9 +349,39 @@ class _SafeFileSystemReader(_SafeMetadataReading, dcp.FileSystemReader):
 
 
 class _SafeFsspecReader(_SafeMetadataReading, FsspecReader):
+    """Reads the shard files of an object store folder in parallel, one thread per file.
+
+    DCP's reader goes through the files of a load plan one after another; on an object store each
+    file is a separate download, so they are read :data:`SHARD_IO_THREADS` at a time. The planner's
+    callbacks only place tensors into distinct slots of the state dict, which threads may do at once.
+    """
+
     def __init__(self, path: str, display: str, **storage_options: Any) -> None:
         super().__init__(path, **storage_options)
         self._display = display
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        import dataclasses
+        from concurrent.futures import ThreadPoolExecutor
+
+        from torch.futures import Future
+
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        if len(per_file) <= 1:
+            return super().read_data(plan, planner)
+        read_file = super().read_data
+        with ThreadPoolExecutor(min(SHARD_IO_THREADS, len(per_file)), thread_name_prefix="dcp-read") as pool:
+            jobs = [
+                pool.submit(read_file, dataclasses.replace(plan, items=items), planner)
+                for items in per_file.values()
+            ]
+            for job in jobs:
+                job.result().wait()
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
 
 def _load_bytes_safely(value: io.BytesIO) -> Any:
@@ -387,16 +419,24 @@ class _GuardedStreams:
 
     def __init__(self, fs: Any) -> None:
         self._fs = fs
+        #: Every write error, from any of DCP's writer threads: an extra thread's exception ends
+        #: only that thread, so :class:`_CheckedFsspecWriter` raises the first one for the rank.
+        self.errors: list[BaseException] = []
 
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        with self._fs.create_stream(path, mode) as stream:
-            if not any(ch in mode for ch in "wa+"):
+        if not any(ch in mode for ch in "wa+"):
+            with self._fs.create_stream(path, mode) as stream:
                 yield stream
-                return
-            guarded = _GuardedStream(stream)
-            yield guarded
-            guarded.raise_error()
+            return
+        try:
+            with self._fs.create_stream(path, mode) as stream:  # an upload is sent when this closes
+                guarded = _GuardedStream(stream)
+                yield guarded
+                guarded.raise_error()
+        except BaseException as err:
+            self.errors.append(err)
+            raise
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._fs, name)
@@ -502,7 +542,23 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _fsspec_writer(url: str, storage_options: dict[str, Any]) -> Any:
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+class _CheckedFsspecWriter(FsspecWriter):
+    """DCP's fsspec writer, failing the rank when any of its writer threads failed.
 
-    return FsspecWriter(url, **storage_options)
+    With ``thread_count > 1`` DCP writes files in extra threads whose exceptions it never collects:
+    the rank would report success with shards missing, and ``.metadata`` (which completes the folder)
+    would be written over a torn checkpoint. Raising here fails the save on every rank instead.
+    """
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        written = super().write_data(plan, planner)
+        errors = getattr(self.fs, "errors", None)
+        if errors:
+            raise errors[0]
+        return written
+
+
+def _fsspec_writer(url: str, storage_options: dict[str, Any]) -> Any:
+    # Each rank splits its shards into SHARD_IO_THREADS files written by as many threads: every rank
+    # and every thread uploads at once (one s3fs upload per file).
+    return _CheckedFsspecWriter(url, thread_count=SHARD_IO_THREADS, **storage_options)

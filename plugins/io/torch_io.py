@@ -23,7 +23,9 @@ import os
 import pickle
 import pickletools
 import re
+import tempfile
 import zipfile
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import fsspec
@@ -32,12 +34,13 @@ from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 from fsspec.spec import AbstractBufferedFile
 
 from trainer_core.checkpoint.format import (
+    KEY_BLOBS,
     decode_byte_payloads,
     encode_byte_payloads,
     safe_globals,
     validate_checkpoint,
 )
-from trainer_core.errors import CheckpointError
+from trainer_core.errors import CheckpointError, MisconfigurationException
 from trainer_core.paths import PathLike, is_local, resolve
 from trainer_core.plugins.io.checkpoint_io import (
     CheckpointIO,
@@ -47,6 +50,13 @@ from trainer_core.plugins.io.checkpoint_io import (
     remove_abandoned_temporaries,
     temporary_path,
     write_commit_marker,
+)
+from trainer_core.plugins.io.object_store import (
+    DEFAULT_CONCURRENCY,
+    ParallelMultipartUpload,
+    TransferError,
+    download_to_local,
+    supports_parallel_upload,
 )
 
 #: Object stores receive the checkpoint in parts of this size (S3 allows 10,000 parts: 80 GiB).
@@ -148,13 +158,37 @@ class TorchCheckpointIO(CheckpointIO):
             silently wrong weights. ``torch.load`` itself does not check them. It costs a second read
             of the file (about +50% load time from the page cache; a second download on an object
             store), so it is off by default.
+        mmap: read a local file by mapping it (``torch.load(mmap=True)``) instead of reading it whole:
+            the tensors stay in the page cache, which every process on the node shares, so a rank of
+            a sharded run adds to its private memory only what it copies out (its own shards).
+            ``False`` reads the whole file into the process's memory (the earlier behaviour); use
+            it on a mount that can fail mid-read (a fault on a mapped page kills the process with
+            SIGBUS instead of raising an error). Files in torch's old, non-zip format are always read
+            whole.
+        transfer_concurrency: requests kept in flight per file on an object store (S3 through s3fs):
+            a save streams ``torch.save`` into a multipart upload whose parts go up this many at a
+            time, and a load downloads the file with this many ranged reads at once into a local
+            temporary file (under ``TMPDIR``), which is then read like a local file (mapped with
+            ``mmap``) and removed. Memory stays at about ``transfer_concurrency`` x 8 MiB (save) or
+            x 16 MiB (load) whatever the checkpoint's size. ``1`` keeps the sequential transfer
+            (one part after another, a streaming read), which needs no local disk space.
     """
 
     def __init__(
-        self, storage_options: Optional[dict[str, Any]] = None, verify_checksums: bool = False
+        self,
+        storage_options: Optional[dict[str, Any]] = None,
+        verify_checksums: bool = False,
+        mmap: bool = True,
+        transfer_concurrency: int = DEFAULT_CONCURRENCY,
     ) -> None:
+        if transfer_concurrency < 1:
+            raise MisconfigurationException(
+                f"TorchCheckpointIO(transfer_concurrency={transfer_concurrency!r}): use 1 (sequential) or more."
+            )
         self.storage_options = dict(storage_options or {})
         self.verify_checksums = verify_checksums
+        self.mmap = mmap
+        self.transfer_concurrency = transfer_concurrency
 
     def _resolve(
         self, path: PathLike, storage_options: Optional[dict[str, Any]] = None
@@ -180,7 +214,7 @@ class TorchCheckpointIO(CheckpointIO):
             if is_local(fs):
                 self._save_local(checkpoint, fs, fs_path)
             else:
-                self._save_object(checkpoint, fs, fs_path)
+                self._save_object(checkpoint, fs, fs_path, self.transfer_concurrency)
         except Exception as err:
             raise CheckpointError(
                 f"Could not save the checkpoint {os.fspath(path)}: {type(err).__name__}: {err}. "
@@ -210,8 +244,23 @@ class TorchCheckpointIO(CheckpointIO):
         fsync_dir(parent)
 
     @staticmethod
-    def _save_object(checkpoint: dict[str, Any], fs: fsspec.AbstractFileSystem, fs_path: str) -> None:
+    def _save_object(
+        checkpoint: dict[str, Any], fs: fsspec.AbstractFileSystem, fs_path: str, concurrency: int = 1
+    ) -> None:
         part = max(UPLOAD_PART_BYTES, _checkpoint_nbytes(checkpoint) // _MAX_UPLOAD_PARTS + 1)
+        if concurrency > 1 and supports_parallel_upload(fs):
+            # s3fs's own file uploads its parts one after another; this one keeps several in flight.
+            upload = ParallelMultipartUpload(fs, fs_path, part_size=part, concurrency=concurrency)
+            try:
+                writer = _GuardedWriter(upload, max_piece=part)
+                torch.save(checkpoint, writer)
+                writer.raise_error()
+                upload.commit()  # only now is the object published (or the old one replaced)
+            except BaseException:
+                upload.abort()  # the multipart upload is aborted; the previous object stays
+                raise
+            write_commit_marker(fs, fs_path, size=upload.tell())
+            return
         if isinstance(fs, MemoryFileSystem):
             # memory:// publishes a file as soon as it is opened; build it aside and publish it whole.
             file: Any = MemoryFile(fs, fs._strip_protocol(fs_path))
@@ -265,18 +314,73 @@ class TorchCheckpointIO(CheckpointIO):
                 f"{display} is a folder, not a checkpoint file or a sharded checkpoint; pass the path of a .ckpt "
                 "file inside it."
             )
+        # A copy every rank of this node reads, downloaded once by ParallelPlugin.load_checkpoint.
+        local_copy = _PREFETCHED.get(_prefetch_key(fs, fs_path))
         if self.verify_checksums:
-            _verify_checksums(fs, fs_path, display)
-        checkpoint = decode_byte_payloads(self._torch_load(fs, fs_path, display, map_location))
+            _verify_checksums(*((_local_fs(), local_copy) if local_copy else (fs, fs_path)), display)
+        if local_copy is not None:
+            mapped = self.mmap and _is_zip(local_copy)
+            checkpoint = decode_byte_payloads(
+                self._torch_load(_local_fs(), local_copy, display, map_location, mapped)
+            )
+        elif self._downloads(fs):  # an object store: one parallel download, then read as a local file
+            checkpoint = decode_byte_payloads(self._load_downloaded(fs, fs_path, display, map_location))
+        else:
+            mapped = self.mmap and is_local(fs) and _is_zip(fs_path)
+            checkpoint = decode_byte_payloads(self._torch_load(fs, fs_path, display, map_location, mapped))
         # A PyTorch Lightning checkpoint is returned as it is; loading it into a module converts it.
         validate_checkpoint(checkpoint, display, accept_lightning=True)
+        if (
+            KEY_BLOBS in checkpoint
+        ):  # frozen weights stored apart (FrozenBlobCheckpointIO): read and check them
+            from trainer_core.plugins.io.frozen_io import resolve_blob_references
+
+            resolve_blob_references(checkpoint, fs, fs_path, display, map_location, mmap=self.mmap)
         return checkpoint
+
+    def _downloads(self, fs: fsspec.AbstractFileSystem) -> bool:
+        """Whether a load from ``fs`` goes through :func:`download_to_local` (object stores, concurrency > 1)."""
+        return self.transfer_concurrency > 1 and not is_local(fs) and not isinstance(fs, MemoryFileSystem)
+
+    def _load_downloaded(
+        self, fs: fsspec.AbstractFileSystem, fs_path: str, display: str, map_location: Optional[Any]
+    ) -> Any:
+        """Download ``fs_path`` to a local temporary file with parallel ranged reads, load it, remove it.
+
+        Why a file and not memory: a mapped file costs the process no private memory (the tensors
+        live in the page cache) and the download itself holds only ``transfer_concurrency`` ranges.
+        The file is removed right after loading; mapped tensors keep its pages until they are freed.
+        """
+        local_fs = fsspec.filesystem("file")
+        handle, local_path = tempfile.mkstemp(prefix=".trainer-core-download-", suffix=".ckpt")
+        os.close(handle)
+        try:
+            try:
+                download_to_local(fs, fs_path, local_path, concurrency=self.transfer_concurrency)
+            except (TransferError, OSError) as err:
+                raise CheckpointError(
+                    f"Could not download the checkpoint {display}: {err}. Nothing was loaded; check the "
+                    "connection and credentials and load again."
+                ) from err
+            mapped = self.mmap and _is_zip(local_path)
+            return self._torch_load(local_fs, local_path, display, map_location, mapped)
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(local_path)
 
     @staticmethod
     def _torch_load(
-        fs: fsspec.AbstractFileSystem, fs_path: str, display: str, map_location: Optional[Any]
+        fs: fsspec.AbstractFileSystem,
+        fs_path: str,
+        display: str,
+        map_location: Optional[Any],
+        mmap: bool = False,
     ) -> Any:
         try:
+            if mmap:  # a local zip file: mapped, its pages shared with every process that maps it
+                with torch.serialization.safe_globals(safe_globals()):
+                    loaded = torch.load(fs_path, map_location=map_location, weights_only=True, mmap=True)
+                return _small_tensors_copied(loaded)
             with fs.open(fs_path, "rb") as f, torch.serialization.safe_globals(safe_globals()):
                 return torch.load(ExactReader(f), map_location=map_location, weights_only=True)
         except ShortReadError as err:
@@ -349,6 +453,71 @@ class ExactReader:
 
     def __getattr__(self, name: str) -> Any:  # seek, tell, readline, seekable, ...
         return getattr(self._file, name)
+
+
+#: Tensors of a mapped checkpoint up to this size are copied out of the mapping as soon as it is read.
+SMALL_TENSOR_BYTES = 64 * 2**10
+
+
+def _small_tensors_copied(obj: Any) -> Any:
+    """``obj`` (a mapped checkpoint) with every tensor of at most ``SMALL_TENSOR_BYTES`` copied into memory.
+
+    Any tensor still pointing into the mapping keeps the whole file mapped. Large tensors (weights,
+    optimizer moments) are copied where they are loaded; small ones (scores a callback keeps, step
+    counters, generator states, a loader's position) would otherwise pin the file for the rest of
+    the run: its disk space after retention deletes it, and a crash (SIGBUS) if something truncates
+    it in place. Dicts and lists are changed in place, as ``decode_byte_payloads`` does.
+    """
+    if type(obj) is torch.Tensor:
+        return obj.clone() if obj.numel() * obj.element_size() <= SMALL_TENSOR_BYTES else obj
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            obj[key] = _small_tensors_copied(value)
+    elif isinstance(obj, list):
+        for index, value in enumerate(obj):
+            obj[index] = _small_tensors_copied(value)
+    elif isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_small_tensors_copied(value) for value in obj)
+    return obj
+
+
+#: ``(protocol, path)`` of a checkpoint on an object store -> a local copy of it (see :func:`prefetched`).
+_PREFETCHED: dict[tuple[str, str], str] = {}
+
+
+def _prefetch_key(fs: fsspec.AbstractFileSystem, fs_path: str) -> tuple[str, str]:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol, fs_path
+
+
+def _local_fs() -> fsspec.AbstractFileSystem:
+    return fsspec.filesystem("file")
+
+
+@contextlib.contextmanager
+def prefetched(fs: fsspec.AbstractFileSystem, fs_path: str, local_path: str) -> Iterator[None]:
+    """Inside: loads of ``fs_path`` on ``fs`` read the local file ``local_path`` instead of the store.
+
+    The ranks of a node share one download this way (``ParallelPlugin.load_checkpoint``): the file is
+    fetched once and every rank maps it, so its pages sit once in the node's page cache. Errors still
+    name the checkpoint's URL, and references the checkpoint makes to other files (frozen blobs)
+    still resolve next to the URL.
+    """
+    key = _prefetch_key(fs, fs_path)
+    _PREFETCHED[key] = local_path
+    try:
+        yield
+    finally:
+        _PREFETCHED.pop(key, None)
+
+
+def _is_zip(local_path: str) -> bool:
+    """Whether the local file is in torch's zip format, the only one ``torch.load(mmap=True)`` maps."""
+    try:
+        with open(local_path, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False  # the streaming read reports what is wrong
 
 
 def _file_size(file: Any) -> Optional[int]:

@@ -35,6 +35,7 @@ from trainer_core.checkpoint.optimizer import (
     parameter_names,
     select_named_state,
 )
+from trainer_core.checkpoint.safetensors import LoadResult, load_safetensors, save_safetensors
 
 __all__ = [
     "FORMAT_VERSION",
@@ -53,18 +54,21 @@ __all__ = [
     "KEY_VERSION",
     "REQUIRED_KEYS",
     "RESUME_KEYS",
+    "LoadResult",
     "check_named_state_covers",
     "check_state_dict_matches",
     "decode_byte_payloads",
     "encode_byte_payloads",
     "from_lightning",
     "is_lightning_checkpoint",
+    "load_safetensors",
     "merge_named_states",
     "optimizer_state_from_names",
     "optimizer_state_to_names",
     "parameter_names",
     "register_safe_globals",
     "safe_globals",
+    "save_safetensors",
     "select_named_state",
     "validate_checkpoint",
 ]

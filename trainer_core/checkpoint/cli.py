@@ -2,9 +2,13 @@
 
 ``inspect PATH`` answers the questions asked of a checkpoint before it is used: which run wrote it
 (plugin, world size, step), whether it can resume a run or holds only weights, and how big its
-model and optimizer parts are. ``consolidate SHARDED_DIR OUT`` reads a sharded folder whole in this
-one process (no process group, no GPUs) and writes it as an ordinary single-file checkpoint, which
-every plugin resumes from and which can be copied, uploaded or loaded with ``torch.load``.
+model and optimizer parts are (a sharded folder's tensors are counted from its metadata, not read).
+``consolidate SHARDED_DIR OUT`` reads a sharded folder in this one process (no process group, no
+GPUs), one tensor at a time, and writes it as an ordinary single-file checkpoint, which every
+plugin resumes from and which can be copied, uploaded or loaded with ``torch.load``: its memory is
+about the largest tensor, whatever the checkpoint's size. ``consolidate SRC --to safetensors
+OUT_DIR`` writes the model weights of a folder or a file as Hugging Face lays them out
+(:mod:`trainer_core.checkpoint.safetensors`), streamed the same way.
 
 Both work on any fsspec URL. Every failure the user can fix (a wrong path, a file that is not a
 checkpoint, a folder whose save was interrupted, an output that exists) is one line on stderr that
@@ -18,14 +22,18 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import fsspec
 
 from trainer_core.checkpoint.format import (
+    BLOBS_SHA256,
+    BLOBS_STORE,
+    KEY_BLOBS,
     KEY_CALLBACKS,
     KEY_EPOCH,
     KEY_FORMAT_VERSION,
+    KEY_FROZEN_PARAMETERS,
     KEY_GLOBAL_STEP,
     KEY_LIGHTNING_VERSION,
     KEY_LR_SCHEDULERS,
@@ -54,7 +62,9 @@ def _tensor_stats(obj: Any) -> tuple[int, int]:
     """``(number of tensors, bytes of tensor data)`` anywhere inside ``obj``."""
     import torch
 
-    if isinstance(obj, torch.Tensor):
+    from trainer_core.checkpoint.stream import LazyTensor
+
+    if isinstance(obj, (torch.Tensor, LazyTensor)):
         return 1, obj.numel() * obj.element_size()
     values: Sequence[Any]
     if isinstance(obj, Mapping):
@@ -93,15 +103,17 @@ def _open(path: PathLike, storage_options: dict[str, Any]) -> tuple[fsspec.Abstr
 
 
 def _load(path: PathLike, storage_options: dict[str, Any]) -> tuple[dict[str, Any], Optional[int]]:
-    """The whole checkpoint on CPU, and the number of shard files (``None`` for a single file)."""
-    from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
+    """The whole checkpoint on CPU (a folder's tensors as :class:`LazyTensor`), and the number of
+    shard files (``None`` for a single file)."""
+    from trainer_core.checkpoint.stream import ShardedSource
     from trainer_core.plugins.io.torch_io import TorchCheckpointIO
 
     fs, fs_path = _open(path, storage_options)
     if not fs.isdir(fs_path):
         return TorchCheckpointIO(storage_options).load_checkpoint(path, map_location="cpu"), None
-    # Checks the folder is a complete sharded checkpoint (trainer_state.pt, then .metadata) first.
-    checkpoint = DistributedCheckpointIO(storage_options).load_checkpoint(path, map_location="cpu")
+    # A folder's tensors are counted from its metadata, never read (see stream.ShardedSource, which
+    # checks first that the folder is a complete sharded checkpoint: trainer_state.pt, then .metadata).
+    checkpoint = ShardedSource(path, storage_options).checkpoint()
     shards = [name for name in fs.find(fs_path) if name.endswith(_SHARD_SUFFIX)]
     return checkpoint, len(shards)
 
@@ -133,6 +145,7 @@ def summarize(checkpoint: Mapping[str, Any], path: str, shard_files: Optional[in
         "resumable": all(key in checkpoint for key in (_LIGHTNING_RESUME_KEYS if lightning else RESUME_KEYS)),
         "keys": [str(key) for key in checkpoint],
         "model": {"tensors": model_tensors, "bytes": model_bytes},
+        "blobs": _blob_summary(checkpoint),
         "optimizer": {"tensors": optim_tensors, "bytes": optim_bytes},
         "other": {
             "tensors": all_tensors - model_tensors - optim_tensors,
@@ -143,6 +156,32 @@ def summarize(checkpoint: Mapping[str, Any], path: str, shard_files: Optional[in
         "lr_schedulers": len(checkpoint.get(KEY_LR_SCHEDULERS) or []),
         "callbacks": [str(key) for key in checkpoint.get(KEY_CALLBACKS) or {}],
     }
+
+
+def _blob_summary(checkpoint: Mapping[str, Any]) -> Optional[dict[str, Any]]:
+    """Where a file written by FrozenBlobCheckpointIO keeps its frozen weights (``None`` for other files)."""
+    blobs = checkpoint.get(KEY_BLOBS)
+    if not isinstance(blobs, Mapping):
+        return None
+    return {
+        "store": blobs.get(BLOBS_STORE),
+        "blobs": len(blobs.get(BLOBS_SHA256) or []),
+        "frozen_parameters": len(checkpoint.get(KEY_FROZEN_PARAMETERS) or []),
+    }
+
+
+def _blobs_row(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+    blobs = summary.get("blobs")
+    if not blobs:
+        return []
+    return [
+        (
+            "frozen_blobs",
+            f"references {blobs['blobs']} blobs in {blobs['store']}/ beside the file for its "
+            f"{blobs['frozen_parameters']} frozen parameters (counted in 'model'); each was read and its sha256 "
+            "checked. Copy or move the file together with that folder.",
+        )
+    ]
 
 
 def inspect_checkpoint(path: PathLike, storage_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -198,6 +237,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         ("resumable", "yes" if summary["resumable"] else "no (weights only)"),
         ("keys", ", ".join(summary["keys"])),
         ("model", tensors(summary["model"])),
+        *_blobs_row(summary),
         ("optimizer", tensors(summary["optimizer"])),
         ("other", tensors(summary["other"])),
         ("parameter_names", summary["parameter_names"]),
@@ -231,12 +271,16 @@ def consolidate(
 ) -> dict[str, Any]:
     """Write the sharded checkpoint folder ``sharded_dir`` as one checkpoint file at ``out``.
 
-    Runs in this process without a process group: every shard is read whole (the host needs memory
-    for the full model and optimizer state). ``out`` is written atomically with
-    :class:`TorchCheckpointIO`, so an interrupted run leaves no half-written file. Returns
-    :func:`summarize`'s report of what was written.
+    Runs in this process without a process group, streaming: the structure and the small trainer
+    state are read first, then each tensor on its own, written into ``out`` and freed
+    (:mod:`trainer_core.checkpoint.stream`), so the memory it needs is about the largest tensor,
+    not the checkpoint. The file is what ``torch.save`` of the whole checkpoint writes, byte for
+    byte. ``out`` is published atomically (a temporary renamed over it; on object stores an upload
+    published whole, then its commit marker): an interrupted run leaves any previous ``out`` as
+    it was. Returns :func:`summarize`'s report of what was written.
     """
-    from trainer_core.plugins.io.torch_io import TorchCheckpointIO
+    from trainer_core.checkpoint.format import encode_byte_payloads
+    from trainer_core.checkpoint.stream import ShardedSource, iter_lazy_tensors, publish_file, write_torch_zip
 
     options = dict(storage_options or {})
     src, dst = os.fspath(sharded_dir), os.fspath(out)
@@ -245,18 +289,167 @@ def consolidate(
         raise CheckpointError(
             f"{src} is a single-file checkpoint already; there is nothing to consolidate (copy it instead)."
         )
-    out_fs, out_path = resolve(dst, **options)
-    if out_fs.exists(out_path):
-        if out_fs.isdir(out_path):
-            raise CheckpointError(f"{dst} is a folder; pass the path of the checkpoint file to write.")
-        if not force:
-            raise CheckpointError(f"{dst} already exists; pass --force to overwrite it.")
-    checkpoint, shard_files = _load(src, options)
-    TorchCheckpointIO(options).save_checkpoint(checkpoint, dst)
+    _check_output(dst, options, force, folder=False)
+    source = ShardedSource(src, options)
+    checkpoint = encode_byte_payloads(source.checkpoint())
+    total = sum(t.nbytes for t in iter_lazy_tensors(checkpoint))
+    try:
+        publish_file(dst, lambda file: write_torch_zip(checkpoint, file), options, expected_bytes=total)
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise CheckpointError(
+            f"Could not write {dst}: {type(err).__name__}: {err}. Any previous {dst} is unchanged; fix the cause "
+            "(space, permissions, credentials) and run again."
+        ) from err
     return summarize(checkpoint, dst, shard_files=None) | {
         "consolidated_from": src,
-        "source_shards": shard_files,
+        "source_shards": source.shard_files,
     }
+
+
+def consolidate_safetensors(
+    src: PathLike,
+    out_dir: PathLike,
+    force: bool = False,
+    storage_options: Optional[dict[str, Any]] = None,
+    max_shard_size: Union[int, str, None] = None,
+    strip_prefix: Optional[str] = None,
+) -> dict[str, Any]:
+    """Write the model weights (``state_dict``) of the checkpoint ``src`` as a Hugging Face folder at ``out_dir``.
+
+    ``src`` is a sharded folder (each tensor read on its own) or a single checkpoint file (local
+    files are memory-mapped; a remote one is downloaded to a temporary local file first, disk not
+    memory), trainer-core's or PyTorch Lightning's, or a plain ``state_dict`` file. Names are the
+    LightningModule's ``state_dict`` names (``model.encoder.weight`` when the module holds its
+    network as ``self.model``); ``strip_prefix="model."`` writes ``encoder.weight``, the names of
+    the bare network that Hugging Face users load into, and leaves out the tensors outside that
+    prefix (the LightningModule's own, e.g. a loss's weights), which it reports. Non-tensor
+    entries (a module's extra state) cannot be stored in safetensors and are reported as skipped.
+    See :func:`trainer_core.checkpoint.safetensors.save_safetensors` for the layout and publishing.
+    """
+    import contextlib
+
+    from trainer_core.checkpoint.safetensors import parse_size, save_safetensors
+
+    options = dict(storage_options or {})
+    src_url, dst = os.fspath(src), os.fspath(out_dir)
+    limit = None if max_shard_size is None else parse_size(max_shard_size)
+    fs, fs_path = _open(src_url, options)
+    _check_output(dst, options, force, folder=True)
+    with contextlib.ExitStack() as stack:
+        if fs.isdir(fs_path):
+            weights, skipped, shard_files = _sharded_weights(src_url, options)
+        else:
+            weights, skipped = _file_weights(src_url, fs, fs_path, stack)
+            shard_files = None
+        left_out: list[str] = []
+        if strip_prefix:
+            kept = {
+                name[len(strip_prefix) :]: t for name, t in weights.items() if name.startswith(strip_prefix)
+            }
+            left_out = [name for name in weights if not name.startswith(strip_prefix)]
+            if not kept:
+                raise CheckpointError(
+                    f"--strip-prefix {strip_prefix!r}: no weight of {src_url} starts with it; its names are like "
+                    f"{', '.join(list(weights)[:3]) or '(none)'}."
+                )
+            weights = kept
+        if not weights:
+            raise CheckpointError(
+                f"{src_url} holds no model weights (its state_dict has no tensors); nothing to write."
+            )
+        try:
+            written = save_safetensors(weights, dst, limit, options, origin=src_url)
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointError(
+                f"Could not write {dst}: {type(err).__name__}: {err}. Any previous {dst} on local disk is unchanged; "
+                "fix the cause (space, permissions, credentials) and run again."
+            ) from err
+    return written | {
+        "consolidated_from": src_url,
+        "source_shards": shard_files,
+        "skipped_non_tensors": skipped,
+        "left_out_by_prefix": left_out,
+    }
+
+
+def _check_output(dst: str, options: dict[str, Any], force: bool, folder: bool) -> None:
+    out_fs, out_path = resolve(dst, **options)
+    if not out_fs.exists(out_path):
+        return
+    if out_fs.isdir(out_path) and not folder:
+        raise CheckpointError(f"{dst} is a folder; pass the path of the checkpoint file to write.")
+    if folder and not out_fs.isdir(out_path):
+        raise CheckpointError(
+            f"{dst} is a file; pass the path of the folder to write the safetensors files into."
+        )
+    if not force:
+        raise CheckpointError(f"{dst} already exists; pass --force to overwrite it.")
+
+
+def _sharded_weights(src: str, options: dict[str, Any]) -> tuple[dict[str, Any], list[str], int]:
+    """``state_dict``'s tensors of a sharded folder as lazy tensors, the names of its non-tensor entries, the shard count."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from trainer_core.checkpoint.stream import ShardedSource
+
+    source = ShardedSource(src, options)
+    weights: dict[str, Any] = {}
+    skipped: list[str] = []
+    for key, path, entry in source.entries():
+        if not path or path[0] != KEY_STATE_DICT:
+            continue
+        name = ".".join(str(part) for part in path[1:])
+        if isinstance(entry, TensorStorageMetadata):
+            weights[name] = source.lazy_tensor(key, entry)
+        else:
+            skipped.append(name)
+    return weights, skipped, source.shard_files
+
+
+def _file_weights(
+    src: str, fs: fsspec.AbstractFileSystem, fs_path: str, stack: Any
+) -> tuple[dict[str, Any], list[str]]:
+    """``state_dict``'s tensors of a single checkpoint file, memory-mapped (so bounded by the page cache)."""
+    import tempfile
+
+    import torch
+
+    from trainer_core.checkpoint.format import safe_globals
+    from trainer_core.paths import is_local
+
+    local_path = fs_path
+    if not is_local(fs):
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="trainer-core-consolidate-"))
+        local_path = os.path.join(folder, "checkpoint")
+        fs.get(fs_path, local_path)  # streamed to disk; mapping needs a local file
+    try:
+        with torch.serialization.safe_globals(safe_globals()):
+            checkpoint = torch.load(local_path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:
+        raise CheckpointError(
+            f"Could not read {src} as a checkpoint file ({type(err).__name__}: "
+            f"{str(err).strip().splitlines()[-1] if str(err).strip() else 'unreadable'}). Pass a checkpoint written "
+            "by trainer.save_checkpoint (or Lightning's), a state_dict saved with torch.save, or a sharded folder."
+        ) from err
+    if isinstance(checkpoint, Mapping) and isinstance(checkpoint.get(KEY_STATE_DICT), Mapping):
+        state_dict = checkpoint[KEY_STATE_DICT]
+    elif (
+        isinstance(checkpoint, Mapping)
+        and checkpoint
+        and all(isinstance(v, torch.Tensor) for v in checkpoint.values())
+    ):
+        state_dict = checkpoint  # a plain state_dict
+    else:
+        raise CheckpointError(
+            f"{src} has no state_dict: it is not a trainer-core or Lightning checkpoint, nor a plain state_dict."
+        )
+    weights = {str(name): value for name, value in state_dict.items() if isinstance(value, torch.Tensor)}
+    skipped = [str(name) for name, value in state_dict.items() if not isinstance(value, torch.Tensor)]
+    return weights, skipped
 
 
 # ---------------------------------------------------------------------- command line
@@ -287,15 +480,45 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print the report as one JSON object")
     merge = commands.add_parser(
         "consolidate",
-        help="write a sharded checkpoint folder as one checkpoint file",
+        help="write a sharded checkpoint folder as one checkpoint file, or a checkpoint's weights as safetensors",
         description=(
-            "Read a sharded checkpoint folder whole, in this process and without a process group, and write it "
-            "as a single-file checkpoint that any plugin resumes from (Trainer.fit(ckpt_path=OUT))."
+            "Read a sharded checkpoint folder in this process, without a process group, one tensor at a time "
+            "(memory: about the largest tensor), and write it as a single-file checkpoint that any plugin "
+            "resumes from (Trainer.fit(ckpt_path=OUT)). With --to safetensors, write the model weights of a "
+            "sharded folder or a checkpoint file as Hugging Face lays them out: OUT/model.safetensors, or "
+            "shards with model.safetensors.index.json (--max-shard-size)."
         ),
     )
-    merge.add_argument("sharded_dir", metavar="SHARDED_DIR", help="the sharded checkpoint folder")
-    merge.add_argument("out", metavar="OUT", help="the checkpoint file to write")
+    merge.add_argument(
+        "sharded_dir",
+        metavar="SRC",
+        help="the sharded checkpoint folder (with --to safetensors also a checkpoint file)",
+    )
+    merge.add_argument(
+        "out", metavar="OUT", help="the checkpoint file to write (with --to safetensors: the folder to write)"
+    )
     merge.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    merge.add_argument(
+        "--to",
+        choices=("torch", "safetensors"),
+        default="torch",
+        help="torch: one checkpoint file (default); safetensors: the model weights as a Hugging Face folder",
+    )
+    merge.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        default=None,
+        help="with --to safetensors: shard into files of at most SIZE (5GB = 5*10^9 bytes, 2GiB, or bytes), "
+        "with model.safetensors.index.json; default: one model.safetensors",
+    )
+    merge.add_argument(
+        "--strip-prefix",
+        metavar="PREFIX",
+        default=None,
+        help="with --to safetensors: write only the weights whose names start with PREFIX, without it "
+        "(e.g. 'model.' turns the LightningModule's model.encoder.weight into encoder.weight, the name the "
+        "bare network loads)",
+    )
     return parser
 
 
@@ -319,7 +542,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "inspect":
             summary = inspect_checkpoint(args.path, options)
             print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+        elif args.to == "safetensors":
+            written = consolidate_safetensors(
+                args.sharded_dir,
+                args.out,
+                force=args.force,
+                storage_options=options,
+                max_shard_size=args.max_shard_size,
+                strip_prefix=args.strip_prefix,
+            )
+            print(
+                f"wrote {args.out}: {written['tensors']} tensors, {_human(written['bytes'])} in "
+                f"{', '.join(written['files'])}, from {args.sharded_dir}"
+            )
+            for key, what in (
+                ("skipped_non_tensors", "non-tensor entries skipped (safetensors holds tensors only)"),
+                ("left_out_by_prefix", f"tensors left out (not under --strip-prefix {args.strip_prefix!r})"),
+            ):
+                if written[key]:
+                    print(f"{len(written[key])} {what}: {', '.join(written[key][:10])}")
         else:
+            if args.max_shard_size is not None or args.strip_prefix is not None:
+                parser.error("--max-shard-size and --strip-prefix go with --to safetensors")
             summary = consolidate(args.sharded_dir, args.out, force=args.force, storage_options=options)
             print(
                 f"wrote {args.out}: global_step {summary['global_step']}, "

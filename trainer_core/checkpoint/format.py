@@ -23,6 +23,12 @@ from trainer_core.errors import CheckpointError
 from trainer_core.utilities import listing
 
 FORMAT_VERSION = 1
+#: The ``format_version`` of a file whose frozen tensors are stored apart, as blob references (``KEY_BLOBS``):
+#: a trainer-core from before blob references refuses it as "written by a newer trainer-core" instead of
+#: loading a reference as a weight. Files without references keep :data:`FORMAT_VERSION`.
+BLOBS_FORMAT_VERSION = 2
+#: The newest ``format_version`` this trainer-core reads.
+NEWEST_FORMAT_VERSION = BLOBS_FORMAT_VERSION
 
 KEY_FORMAT_VERSION = "format_version"
 KEY_VERSION = "trainer_core_version"
@@ -74,6 +80,21 @@ LOOP_GRADS = "accumulated_grads"  # gradients of an unfinished accumulation cycl
 # resumed run reloads at the epochs the saved run would have.
 LOOP_TRAIN_LOADER_EPOCH = "train_dataloader_epoch"
 LOOP_VAL_LOADER_EPOCH = "val_dataloader_epoch"
+
+#: Names (keys of ``state_dict``) of the parameters that do not train (``requires_grad=False``), written
+#: only when there are some: ``FrozenBlobCheckpointIO`` stores these tensors once, by content hash, and
+#: has each checkpoint reference them instead of repeating them.
+KEY_FROZEN_PARAMETERS = "frozen_parameters"
+#: In a file whose frozen tensors are stored apart: ``{BLOBS_STORE: the store folder beside the file,
+#: BLOBS_SHA256: [the sha256 of every blob the file references]}``.
+KEY_BLOBS = "blobs"
+BLOBS_STORE = "store"
+BLOBS_SHA256 = "sha256"
+#: A tensor stored apart, in place of the tensor in ``state_dict``: ``{BLOB_REF_TAG: sha256 of its bytes,
+#: BLOB_REF_DTYPE: "float32", BLOB_REF_SHAPE: [..]}`` (plain values, so the file loads weights-only).
+BLOB_REF_TAG = "__trainer_core_blob__"
+BLOB_REF_DTYPE = "dtype"
+BLOB_REF_SHAPE = "shape"
 
 #: Keys every checkpoint has, including one saved with ``weights_only=True``.
 REQUIRED_KEYS = (KEY_FORMAT_VERSION, KEY_EPOCH, KEY_GLOBAL_STEP, KEY_STATE_DICT)
@@ -168,11 +189,11 @@ def validate_checkpoint(
             f"{path} has an invalid {KEY_FORMAT_VERSION!r}: {version!r} (expected a positive int). "
             "The file was not written by trainer-core or was edited; re-save it with trainer.save_checkpoint."
         )
-    if version > FORMAT_VERSION:
+    if version > NEWEST_FORMAT_VERSION:
         writer = checkpoint.get(KEY_VERSION, "an unknown version")
         raise CheckpointError(
             f"{path} was written by a newer trainer-core ({writer}, format_version {version}); this is "
-            f"trainer-core {__version__}, which reads format_version {FORMAT_VERSION} and older. "
+            f"trainer-core {__version__}, which reads format_version {NEWEST_FORMAT_VERSION} and older. "
             "Upgrade trainer-core to load it."
         )
     missing = [key for key in REQUIRED_KEYS if key not in checkpoint]

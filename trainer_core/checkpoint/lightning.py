@@ -96,6 +96,7 @@ from trainer_core.checkpoint.optimizer import optimizer_state_to_names, paramete
 from trainer_core.checkpoint.rng import collect_rng_states
 from trainer_core.errors import CheckpointError
 from trainer_core.utilities import listing, rank_zero_warn
+from trainer_core.utilities.compile import plain_name, plain_state_dict
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -192,7 +193,8 @@ def from_lightning(
     converted[KEY_FORMAT_VERSION] = FORMAT_VERSION
     converted[KEY_EPOCH] = checkpoint[KEY_EPOCH]
     converted[KEY_GLOBAL_STEP] = checkpoint[KEY_GLOBAL_STEP]
-    converted[KEY_STATE_DICT] = checkpoint[KEY_STATE_DICT]
+    # Lightning writes a compiled submodule's weights as `net._orig_mod.0.weight`: here they are `net.0.weight`.
+    converted[KEY_STATE_DICT] = plain_state_dict(checkpoint[KEY_STATE_DICT])
     trainer = getattr(module, "_trainer", None)
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)
     converted[KEY_LOOPS] = loop_position(checkpoint, accumulate if isinstance(accumulate, int) else 1)
@@ -327,7 +329,7 @@ def _saved_param_names(saved_groups: Sequence[Mapping[str, Any]], known: set[str
     """The names torch saved with the groups, if it did and they are the module's names; else ``None``."""
     if not saved_groups or not all(_TORCH_PARAM_NAMES in group for group in saved_groups):
         return None
-    names = [str(name) for group in saved_groups for name in group[_TORCH_PARAM_NAMES]]
+    names = [plain_name(str(name)) for group in saved_groups for name in group[_TORCH_PARAM_NAMES]]
     return names if set(names) == known and len(names) == len(known) else None
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from trainer_core.errors import CheckpointError
 from trainer_core.utilities import listing
+from trainer_core.utilities.compile import plain_named_parameters
 
 ParamNames = Union[Mapping[torch.Tensor, str], Sequence[str]]
 
@@ -40,9 +41,10 @@ def parameter_names(module: nn.Module) -> dict[torch.Tensor, str]:
     """``{parameter: name}`` for ``module``, the mapping both conversions take.
 
     A tied parameter appears once, under the first name ``named_parameters`` yields, which is also the
-    name its tensor has in the model's state dict.
+    name its tensor has in the model's state dict. Names are the plain ones a checkpoint holds: a
+    compiled submodule's ``_orig_mod`` segment is left out, so compiled and uncompiled runs agree.
     """
-    return {param: name for name, param in module.named_parameters()}
+    return {param: name for name, param in plain_named_parameters(module)}
 
 
 def _ordered_names(optimizer: torch.optim.Optimizer, param_names: ParamNames) -> list[list[str]]:
@@ -208,7 +210,7 @@ def check_named_state_covers(
     For plugins that load a whole model's state into parts of it (FSDP shards, pipeline stages),
     where the per-optimizer check of :func:`optimizer_state_from_names` cannot see the whole.
     """
-    wanted = {name for name, p in module.named_parameters() if p.requires_grad}
+    wanted = {name for name, p in plain_named_parameters(module) if p.requires_grad}
     saved = named_parameters_of(named_state)
     missing, unexpected = sorted(wanted - saved), sorted(saved - wanted)
     if missing or unexpected:

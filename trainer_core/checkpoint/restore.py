@@ -39,11 +39,22 @@ from trainer_core.checkpoint.lightning import (
     is_lightning_checkpoint,
     name_pending_optimizer_states,
 )
-from trainer_core.checkpoint.optimizer import merge_named_states, named_parameters_of, select_named_state
+from trainer_core.checkpoint.optimizer import (
+    merge_named_states,
+    named_parameters_of,
+    parameter_names,
+    select_named_state,
+)
 from trainer_core.checkpoint.save import data_replicas, loader_batch_size
 from trainer_core.errors import CheckpointError, MisconfigurationException
 from trainer_core.optim import rebase_learning_rates
 from trainer_core.utilities import rank_zero_warn
+from trainer_core.utilities.compile import (
+    module_state_dict,
+    plain_named_parameters,
+    plain_optimizer_state,
+    plain_state_dict,
+)
 
 if TYPE_CHECKING:
     from trainer_core.module import LightningModule
@@ -133,10 +144,13 @@ def restore_module_and_callbacks(
         optimizers = plugin.optimizers if optimizers_ready and not weights_only else None
         checkpoint = from_lightning(checkpoint, module, path, optimizers)
     validate_checkpoint(checkpoint, path, for_resume=not weights_only)
+    _plain_names(checkpoint)
     runner = trainer.hook_runner
     runner.call_module("on_load_checkpoint", checkpoint)
     strict = module.strict_loading
-    check_state_dict_matches(module.state_dict(), checkpoint[KEY_STATE_DICT], path, strict=strict)
+    check_state_dict_matches(
+        plain_state_dict(module.state_dict()), checkpoint[KEY_STATE_DICT], path, strict=strict
+    )
     pending = PendingRestore(checkpoint, path)
     if not weights_only:
         if optimizers_ready:
@@ -211,7 +225,7 @@ def restore_training_state(trainer: Trainer, pending: PendingRestore) -> None:
 
 def _check_optimizer_names(module: LightningModule, saved: list[dict[str, Any]], path: str) -> None:
     """Before the optimizers exist: every parameter a saved optimizer state names is one of the module's."""
-    names = {name for name, _ in module.named_parameters()}
+    names = {name for name, _ in plain_named_parameters(module)}
     unknown = sorted(set().union(*map(named_parameters_of, saved)) - names)
     if unknown:
         raise CheckpointError(
@@ -234,7 +248,7 @@ def _optimizer_states_for(trainer: Trainer, saved: list[dict[str, Any]], path: s
     if not saved:
         raise CheckpointError(f"{path} holds no optimizer state; resume from a full checkpoint.")
     pooled = merge_named_states(saved)
-    names = {param: name for name, param in trainer.lightning_module.named_parameters()}  # type: ignore[union-attr]
+    names = parameter_names(trainer.lightning_module)  # type: ignore[arg-type]
     prepared = []
     for opt in optimizers:
         mine = [names[p] for group in opt.param_groups for p in group["params"] if p in names]
@@ -327,6 +341,7 @@ def load_module_from_checkpoint(
     if is_lightning_checkpoint(checkpoint):  # converted to this format (checkpoint/lightning.py)
         checkpoint = from_lightning(checkpoint, None, path)
     validate_checkpoint(checkpoint, path)
+    _plain_names(checkpoint)
     hparams = {**checkpoint.get(KEY_HPARAMS, {}), **overrides}
     name = hparams_argument(cls, checkpoint.get(KEY_HPARAMS_NAME))
     if name:  # `__init__(self, hparams)` with `save_hyperparameters(hparams)`: the dict goes back whole
@@ -341,9 +356,24 @@ def load_module_from_checkpoint(
         ) from err
     model.on_load_checkpoint(checkpoint)
     strict = _strict_for(model, strict)
-    check_state_dict_matches(model.state_dict(), checkpoint[KEY_STATE_DICT], path, strict=strict)
-    model.load_state_dict(checkpoint[KEY_STATE_DICT], strict=strict)
+    check_state_dict_matches(
+        plain_state_dict(model.state_dict()), checkpoint[KEY_STATE_DICT], path, strict=strict
+    )
+    model.load_state_dict(module_state_dict(model, checkpoint[KEY_STATE_DICT]), strict=strict)
     return model
+
+
+def _plain_names(checkpoint: dict[str, Any]) -> None:
+    """The weights and optimizer states under plain names, also in a file written with ``_orig_mod`` ones.
+
+    Before ``on_load_checkpoint``, so the module's hook sees the names this format documents; a run
+    compiled or not loads either (utilities/compile.py).
+    """
+    checkpoint[KEY_STATE_DICT] = plain_state_dict(checkpoint[KEY_STATE_DICT])
+    if checkpoint.get(KEY_OPTIMIZER_STATES):
+        checkpoint[KEY_OPTIMIZER_STATES] = [
+            plain_optimizer_state(state) for state in checkpoint[KEY_OPTIMIZER_STATES]
+        ]
 
 
 def _strict_for(model: LightningModule, strict: Optional[bool]) -> bool:

@@ -20,6 +20,7 @@ from trainer_core.checkpoint.format import (
     KEY_DATAMODULE_HPARAMS_NAME,
     KEY_EPOCH,
     KEY_FORMAT_VERSION,
+    KEY_FROZEN_PARAMETERS,
     KEY_GLOBAL_STEP,
     KEY_HPARAMS,
     KEY_HPARAMS_NAME,
@@ -45,6 +46,7 @@ from trainer_core.checkpoint.format import (
 )
 from trainer_core.checkpoint.rng import collect_rng_states
 from trainer_core.utilities import rank_zero_warn
+from trainer_core.utilities.compile import plain_name, plain_named_parameters
 
 if TYPE_CHECKING:
     from trainer_core.trainer import Trainer
@@ -148,7 +150,7 @@ def rank_loop_state(trainer: Trainer) -> dict[str, Any]:
         # under data parallelism, where they are synchronised only at the step; a shard under FSDP).
         state[LOOP_GRADS] = {
             name: _local_tensor(p.grad).detach().clone()
-            for name, p in module.named_parameters()
+            for name, p in plain_named_parameters(module)
             if p.grad is not None
         }
     return state
@@ -156,6 +158,18 @@ def rank_loop_state(trainer: Trainer) -> dict[str, Any]:
 
 def _local_tensor(tensor: Tensor) -> Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def frozen_parameter_names(module: torch.nn.Module, state_dict: dict[str, Any]) -> list[str]:
+    """The ``state_dict`` names of parameters that do not train, so a checkpoint IO can store them once.
+
+    Tied parameters are listed under every name the state dict gives them. Only a hint for the IO:
+    it stores what it replaces by content hash, so a name listed wrongly costs space, never exactness.
+    """
+    frozen = {
+        plain_name(name) for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad
+    }
+    return [name for name in state_dict if name in frozen] if frozen else []
 
 
 def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
@@ -175,6 +189,9 @@ def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, A
             PLUGIN_LAYOUT: plugin.layout(),
         },
     }
+    frozen = frozen_parameter_names(module, checkpoint[KEY_STATE_DICT])
+    if frozen:
+        checkpoint[KEY_FROZEN_PARAMETERS] = frozen
     if module.hparams:
         checkpoint[KEY_HPARAMS] = _plain_hparams(dict(module.hparams))
         if getattr(module, "_hparams_name", None):

@@ -25,6 +25,7 @@ from trainer_core.loops.schedulers import update_lr_schedulers
 from trainer_core.loops.training_step import TrainingStep
 from trainer_core.profilers.base import profiled, profiled_iter
 from trainer_core.utilities import rank_zero_warn
+from trainer_core.utilities.compile import plain_named_parameters
 
 if TYPE_CHECKING:
     from trainer_core.checkpoint.restore import PendingRestore
@@ -554,8 +555,8 @@ def _epoch_of_stateful_loader(loader: Any) -> Iterator[Any]:
 
 
 def _put_back_gradients(trainer: Trainer, grads: dict[str, Any]) -> None:
-    """The gradients of the saved run's unfinished accumulation cycle, by parameter name."""
-    for name, param in trainer.lightning_module.named_parameters():
+    """The gradients of the saved run's unfinished accumulation cycle, by parameter name (plain, as saved)."""
+    for name, param in plain_named_parameters(trainer.lightning_module):
         if name in grads:
             grad = grads[name].to(param.device)
             if hasattr(param, "device_mesh"):  # a DTensor shard (FSDP): the gradient is this rank's shard
