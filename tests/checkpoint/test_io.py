@@ -43,6 +43,7 @@ from trainer_core.checkpoint import (
     validate_checkpoint,
 )
 from trainer_core.checkpoint import format as ckpt_format
+from trainer_core.checkpoint.format import NEWEST_FORMAT_VERSION
 from trainer_core.errors import CheckpointError
 from trainer_core.plugins.io import COMMIT_MARKER_SUFFIX, TorchCheckpointIO
 
@@ -234,27 +235,27 @@ def test_disk_full_mid_write_keeps_previous_checkpoint(tmp_path) -> None:
 
 
 def _flaky_s3_filesystem() -> type:
-    """An s3fs filesystem whose uploads fail after 12 MB, like a connection dropped mid-upload."""
+    """An s3fs filesystem whose uploads fail after 12 MB, like a connection dropped mid-upload.
+
+    The failure is injected at the request that carries the bytes (``upload_part``), so it hits the
+    sequential upload (s3fs's own file) and the parallel one (``object_store``) alike.
+    """
     from s3fs import S3FileSystem
-    from s3fs.core import S3File
-
-    class FlakyS3File(S3File):
-        fail_after = 12 * 2**20
-
-        def write(self, data: Any) -> int:
-            self.written = getattr(self, "written", 0) + memoryview(data).nbytes
-            if self.written > self.fail_after:
-                raise ConnectionResetError("connection reset by peer")
-            return super().write(data)
 
     class FlakyS3FileSystem(S3FileSystem):
         protocol = ("flakys3",)
+        fail_after = 12 * 2**20
+        uploaded = 0
 
-        def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
-            file = super()._open(path, mode, **kwargs)
-            if "w" in mode:
-                file.__class__ = FlakyS3File
-            return file
+        async def _call_s3(self, method: str, *args: Any, **kwargs: Any) -> Any:
+            if method == "upload_part":
+                type(self).uploaded += memoryview(kwargs["Body"]).nbytes
+                if type(self).uploaded > self.fail_after:
+                    raise ConnectionResetError("connection reset by peer")
+            return await super()._call_s3(method, *args, **kwargs)
+
+        # s3fs's synchronous ``call_s3`` (used by its own files) wraps the base class's coroutine.
+        call_s3 = fsspec.asyn.sync_wrapper(_call_s3)
 
     return FlakyS3FileSystem
 
@@ -344,7 +345,9 @@ def _write_bad_file(kind: str, path: str, tmp_path) -> None:
     elif kind == "missing_keys":
         torch.save({KEY_FORMAT_VERSION: FORMAT_VERSION, KEY_EPOCH: 0}, path)
     elif kind == "newer_format":
-        torch.save({**good, KEY_FORMAT_VERSION: FORMAT_VERSION + 1, "trainer_core_version": "9.9.9"}, path)
+        torch.save(
+            {**good, KEY_FORMAT_VERSION: NEWEST_FORMAT_VERSION + 1, "trainer_core_version": "9.9.9"}, path
+        )
     elif kind == "runs_code_zip":
         torch.save({**good, "hyper_parameters": RunsShell(str(tmp_path / "PWNED"))}, path)
     elif kind == "runs_code_pickle":

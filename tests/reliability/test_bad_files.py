@@ -40,6 +40,7 @@ from trainer_core.checkpoint import (
     optimizer_state_to_names,
     parameter_names,
 )
+from trainer_core.checkpoint.format import NEWEST_FORMAT_VERSION
 from trainer_core.errors import CheckpointError
 from trainer_core.plugins.io import DistributedCheckpointIO, TorchCheckpointIO
 
@@ -116,7 +117,7 @@ BAD: dict[str, tuple[Callable[[dict[str, Path], Path], None], str]] = {
     ),
     "plain_state_dict": (lambda good, p: torch.save(BoringModel().state_dict(), p), "plain state_dict"),
     "newer_format_version": (
-        lambda good, p: _edited(good, p, lambda c: {**c, KEY_FORMAT_VERSION: FORMAT_VERSION + 1}),
+        lambda good, p: _edited(good, p, lambda c: {**c, KEY_FORMAT_VERSION: NEWEST_FORMAT_VERSION + 1}),
         "newer trainer-core.*Upgrade",
     ),
     "invalid_format_version": (
