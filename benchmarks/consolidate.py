@@ -22,8 +22,26 @@ which phase holds the peak. Each case runs ``--repeats`` times (interleaved); me
 Targets (issue 4, part 5): rank 0 adds at most about one full copy of the optimizer state
 (<= 1.10x), the other ranks about nothing (<= 0.05x). JSON: ``bench_results/consolidate.json``.
 
+Second figure (``--figure offline``, issue 17): peak memory of ``python -m trainer_core.checkpoint
+consolidate`` against the checkpoint's size. A sharded folder (``torch.distributed.checkpoint``,
+one process) of tensors of ``--tensor-mib`` each is made at every size, then consolidated in a
+fresh process per case, side by side:
+
+* ``whole->torch``        the folder read whole (``DistributedCheckpointIO.load_checkpoint``), then
+  ``TorchCheckpointIO.save_checkpoint``: what ``consolidate`` did before it streamed.
+* ``stream->torch``       ``consolidate SHARDED_DIR OUT``: one tensor at a time into the zip.
+* ``whole->safetensors``  the folder read whole, then ``safetensors.torch.save_file`` of the state_dict
+  (the library's writer, which takes a whole file's tensors at once).
+* ``stream->safetensors`` ``consolidate SHARDED_DIR --to safetensors OUT_DIR``.
+
+Peak = ``VmHWM`` minus ``VmRSS`` right before the call (``clear_refs`` reset; nothing is memory-
+mapped in these cases, so RSS is private memory). Target: at most the largest tensor plus a fixed
+32 MiB, whatever the size. Sizes: 40, 80 MiB of 10 MiB tensors (``--quick``); 100, 400 MiB
+(default) and 100, 400, 800 MiB (``--full``) of 25 MiB tensors.
+
     python benchmarks/consolidate.py             # 3 repeats, all cases (about 5 minutes on 2 cores)
-    python benchmarks/consolidate.py --quick     # smoke: 1 repeat, 4 x 1024
+    python benchmarks/consolidate.py --quick     # smoke: 1 repeat, 4 x 1024, offline 40/80 MiB
+    python benchmarks/consolidate.py --figure offline --full   # only the CLI figure, up to 800 MiB
 """
 
 from __future__ import annotations
@@ -348,6 +366,152 @@ def _print_table(rows: list[dict]) -> None:
     print(common.format_table(["case", "rank", *names], phase_table))
 
 
+# ----------------------------------------------------------------------------- offline consolidation (issue 17)
+OFFLINE_CASES = ("whole->torch", "stream->torch", "whole->safetensors", "stream->safetensors")
+OFFLINE_TENSOR_MIB = 25
+OFFLINE_TARGET_FIXED_MIB = 32  # allowed on top of the largest tensor
+
+
+def _offline_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One measurement in a fresh process: make a folder (``make``) or consolidate it one way."""
+    import torch
+
+    torch.set_num_threads(1)
+    folder = spec["folder"]
+    if spec["case"] == "make":
+        from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
+
+        count = spec["size_mib"] // spec["tensor_mib"]
+        numel = spec["tensor_mib"] * MIB // 4
+        state = {f"layers.{i}.weight": torch.full((numel,), float(i)) for i in range(count)}
+        checkpoint = {"format_version": 1, "epoch": 0, "global_step": 1, "state_dict": state}
+        DistributedCheckpointIO().save_checkpoint(checkpoint, folder)
+        return {"tensors": count}
+    out = os.path.join(spec["out_dir"], spec["case"].replace("->", "_"))
+    # Everything any case imports is imported before the meter starts: only the work is measured.
+    import torch.distributed.checkpoint
+
+    import trainer_core.checkpoint.safetensors
+    import trainer_core.checkpoint.stream  # noqa: F401
+    from trainer_core.checkpoint.cli import main as cli
+    from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
+    from trainer_core.plugins.io.torch_io import TorchCheckpointIO
+
+    save_file = None
+    if spec["case"] == "whole->safetensors":
+        from safetensors.torch import save_file
+    gc.collect()
+    meter = PhaseMeter()
+    start = time.perf_counter()
+    if spec["case"] == "whole->torch":
+        TorchCheckpointIO().save_checkpoint(DistributedCheckpointIO().load_checkpoint(folder), out)
+    elif spec["case"] == "whole->safetensors":
+        os.makedirs(out)
+        state_dict = DistributedCheckpointIO().load_checkpoint(folder)["state_dict"]
+        save_file(state_dict, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        args = ["consolidate", folder, out] + (
+            ["--to", "safetensors"] if "safetensors" in spec["case"] else []
+        )
+        if cli(args) != 0:
+            raise RuntimeError(f"consolidate {args} failed")
+    seconds = time.perf_counter() - start
+    meter.mark("consolidate")
+    return {"peak_extra_mib": meter.peak_extra_mib, "s": seconds}
+
+
+def _offline_measure(args: argparse.Namespace) -> tuple[list[dict], dict[str, str]]:
+    import shutil
+    import tempfile
+
+    samples: list[dict] = []
+    failures: dict[str, str] = {}
+    cases = list(OFFLINE_CASES)
+    if common.probe_import("import safetensors") is not None:
+        common.log("whole->safetensors: the safetensors library is not installed; measuring the others")
+        cases.remove("whole->safetensors")
+    script = Path(__file__).resolve()
+    for size in args.offline_sizes:
+        with tempfile.TemporaryDirectory(prefix="consolidate-offline-") as tmp:
+            folder = os.path.join(tmp, "sharded")
+            base = {"folder": folder, "size_mib": size, "tensor_mib": args.tensor_mib}
+            common.run_worker(script, {**base, "case": "make"}, timeout=JOB_TIMEOUT_S)
+            for repeat in range(args.repeats):
+                for case in common.rotated(cases, repeat):
+                    out_dir = os.path.join(tmp, f"out-{repeat}")
+                    os.makedirs(out_dir, exist_ok=True)
+                    try:
+                        result = common.run_worker(
+                            script, {**base, "case": case, "out_dir": out_dir}, timeout=JOB_TIMEOUT_S
+                        )
+                    except common.WorkerError as err:
+                        failures[f"{case} {size} MiB"] = str(err)
+                        common.log(f"{case} at {size} MiB failed:\n{err}")
+                        continue
+                    finally:
+                        shutil.rmtree(out_dir, ignore_errors=True)
+                    samples.append({"case": case, "size_mib": size, "repeat": repeat, **result})
+                    common.log(
+                        f"[{repeat + 1}/{args.repeats}] {size:4d} MiB {case:<20} peak extra "
+                        f"{result['peak_extra_mib']:7.1f} MiB  {result['s']:.2f} s"
+                    )
+    return samples, failures
+
+
+def _offline_summarize(samples: list[dict], args: argparse.Namespace) -> list[dict]:
+    rows = []
+    limit = args.tensor_mib + OFFLINE_TARGET_FIXED_MIB
+    for size in args.offline_sizes:
+        row: dict[str, Any] = {"size_mib": size, "largest_tensor_mib": args.tensor_mib, "target_mib": limit}
+        for case in OFFLINE_CASES:
+            mine = [s for s in samples if s["case"] == case and s["size_mib"] == size]
+            row[case] = (
+                {
+                    "peak_extra_mib": common.median(s["peak_extra_mib"] for s in mine),
+                    "s": common.median(s["s"] for s in mine),
+                    "repeats": len(mine),
+                }
+                if mine
+                else None
+            )
+        streamed = [row[c]["peak_extra_mib"] for c in ("stream->torch", "stream->safetensors") if row[c]]
+        row["ok"] = bool(streamed) and all(peak <= limit for peak in streamed)
+        rows.append(row)
+    return rows
+
+
+def _offline_print(rows: list[dict]) -> None:
+    def peak(row: dict, case: str) -> str:
+        return f"{row[case]['peak_extra_mib']:.0f}" if row[case] else "-"
+
+    def ratio(row: dict, whole: str, stream: str) -> str:
+        if not (row[whole] and row[stream]) or row[stream]["peak_extra_mib"] <= 0:
+            return "-"
+        return f"{row[whole]['peak_extra_mib'] / row[stream]['peak_extra_mib']:.1f}x"
+
+    table = [
+        (
+            f"{r['size_mib']}",
+            f"{r['largest_tensor_mib']}",
+            peak(r, "whole->torch"),
+            peak(r, "stream->torch"),
+            ratio(r, "whole->torch", "stream->torch"),
+            peak(r, "whole->safetensors"),
+            peak(r, "stream->safetensors"),
+            ratio(r, "whole->safetensors", "stream->safetensors"),
+            f"<= {r['target_mib']} {'ok' if r['ok'] else 'OVER'}",
+            "/".join(f"{r[c]['s']:.1f}" if r[c] else "-" for c in OFFLINE_CASES),
+        )
+        for r in rows
+    ]
+    headers = (
+        "ckpt MiB", "largest", "whole->torch", "stream->torch", "saved", "whole->st", "stream->st", "saved",
+        "target (stream)", "s (w/s/w/s)",
+    )  # fmt: skip
+    print("consolidate: peak extra MiB (medians) against the checkpoint's size")
+    print(common.format_table(headers, table))
+
+
 def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -364,7 +528,24 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--out", default=str(common.RESULTS_DIR / "consolidate.json"), help="where the JSON goes"
     )
+    parser.add_argument(
+        "--figure",
+        choices=("all", "save", "offline"),
+        default="all",
+        help="save: trainer.save_checkpoint of sharded optimizers (2 ranks); offline: the consolidate CLI's "
+        "peak memory against checkpoint size; all: both (default)",
+    )
+    parser.add_argument("--full", action="store_true", help="offline figure up to 800 MiB")
+    parser.add_argument(
+        "--tensor-mib", type=int, default=OFFLINE_TENSOR_MIB, help="offline figure: MiB per tensor"
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.offline_sizes = [40, 80]
+        if "--tensor-mib" not in argv:
+            args.tensor_mib = 10
+    else:
+        args.offline_sizes = [100, 400, 800] if args.full else [100, 400]
     if args.repeats is None:
         args.repeats = 1 if args.quick else DEFAULT_REPEATS
     if args.width is None:
@@ -374,23 +555,51 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str]) -> int:
+    if "--worker" in argv and "--result" in argv:  # an offline-figure worker (common.run_worker)
+        common.serve_worker(argv, _offline_worker)
+        return 0
     if "--worker" in argv:
         return _worker_main(argv)
     args = _parse_args(argv)
+    if args.figure == "offline":
+        args.cases = []
     if common.probe_import("import fairscale") is not None:
         dropped = [c for c in args.cases if c in ("ddp_sharded", "ddp+oss")]
         common.log(f"skipping {', '.join(dropped)}: fairscale is not installed")
         args.cases = [c for c in args.cases if c not in dropped]
     started = time.time()
-    samples, failures = _measure(args)
-    rows = _summarize(samples, args.cases)
-    _print_table(rows)
-    sharded_rows = [r for r in rows if r["case"] != "ddp"]
-    met = bool(sharded_rows) and all(r["ok"] for r in sharded_rows) and not failures
-    print(
-        f"target: rank 0 <= {TARGET_RANK0:.2f}x the full optimizer state extra, other ranks <= {TARGET_OTHERS:.2f}x "
-        f"(sharded cases) -> {'MET' if met else 'MISSED'}"
-    )
+    samples, failures, rows, met = [], {}, [], True
+    if args.cases:
+        samples, failures = _measure(args)
+        rows = _summarize(samples, args.cases)
+        _print_table(rows)
+        sharded_rows = [r for r in rows if r["case"] != "ddp"]
+        met = bool(sharded_rows) and all(r["ok"] for r in sharded_rows) and not failures
+        print(
+            f"target: rank 0 <= {TARGET_RANK0:.2f}x the full optimizer state extra, other ranks <= "
+            f"{TARGET_OTHERS:.2f}x (sharded cases) -> {'MET' if met else 'MISSED'}"
+        )
+    offline: dict[str, Any] = {}
+    if args.figure in ("all", "offline"):
+        offline_samples, offline_failures = _offline_measure(args)
+        offline_rows = _offline_summarize(offline_samples, args)
+        if args.cases:
+            print()
+        _offline_print(offline_rows)
+        offline_met = all(r["ok"] for r in offline_rows) and not offline_failures
+        print(
+            f"target: consolidate (streaming) adds <= the largest tensor ({args.tensor_mib} MiB) + "
+            f"{OFFLINE_TARGET_FIXED_MIB} MiB at every size -> {'MET' if offline_met else 'MISSED'}"
+        )
+        failures.update(offline_failures)
+        met = met and offline_met
+        offline = {
+            "sizes_mib": args.offline_sizes,
+            "tensor_mib": args.tensor_mib,
+            "summary": offline_rows,
+            "target": {"max_extra_mib": args.tensor_mib + OFFLINE_TARGET_FIXED_MIB, "met": offline_met},
+            "samples": offline_samples,
+        }
     for case, error in failures.items():
         print(f"{case} failed: {error.strip().splitlines()[-1]}")
     payload = {
@@ -406,11 +615,12 @@ def main(argv: Sequence[str]) -> int:
             "cases": args.cases,
         },
         "machine": common.machine_info(),
-        "versions": common.package_versions(["torch", "fairscale", "trainer-core"]),
+        "versions": common.package_versions(["torch", "fairscale", "safetensors", "trainer-core"]),
         "failures": failures,
         "summary": rows,
         "target": {"rank0_max_x_full": TARGET_RANK0, "others_max_x_full": TARGET_OTHERS, "met": met},
         "samples": samples,
+        "offline": offline,
     }
     path = common.write_json(args.out, payload)
     common.log(f"wrote {path}")
