@@ -40,6 +40,8 @@ _EXTRAS = {
     "wandb": ["wandb>=0.17"],
     # LightningModule.to_onnx: torch's exporter needs onnx and onnxscript.
     "onnx": ["onnx>=1.16", "onnxscript>=0.1"],
+    # consolidate --to safetensors writes the format itself; load_safetensors maps local files with the library.
+    "safetensors": ["safetensors>=0.4"],
     "demo": ["scikit-learn>=1.3", "fairscale==0.4.13", "matplotlib>=3.5"],
     "test": [
         "pytest>=8",
@@ -72,8 +74,17 @@ _EXTRAS = {
         "onnx>=1.16",
         "onnxscript>=0.1",
         "pytorch-lightning==2.6.6",
+        "safetensors>=0.4",
     ],
-    "bench": ["pytorch-lightning==2.6.6", "psutil>=5.9", "fairscale==0.4.13"],
+    "bench": [
+        "pytorch-lightning==2.6.6",
+        "psutil>=5.9",
+        "fairscale==0.4.13",
+        # consolidate --to safetensors against the library's writer; s3:// throughput against a moto server.
+        "safetensors>=0.4",
+        "moto[server]>=5",
+        "s3fs>=2023.6",
+    ],
 }
 
 setup(
