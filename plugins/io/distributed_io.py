@@ -37,6 +37,7 @@ from trainer_core.checkpoint import (
     safe_globals,
     validate_checkpoint,
 )
+from trainer_core.checkpoint.stream import GuardedWriter
 from trainer_core.errors import CheckpointError
 from trainer_core.paths import PathLike
 from trainer_core.plugins.io.checkpoint_io import (
@@ -46,7 +47,6 @@ from trainer_core.plugins.io.checkpoint_io import (
     replace_entry,
     temporary_path,
 )
-from trainer_core.plugins.io.torch_io import _GuardedWriter
 
 METADATA_FILE = ".metadata"
 TRAINER_STATE_FILE = "trainer_state.pt"
@@ -103,7 +103,7 @@ class DistributedCheckpointIO(CheckpointIO):
                     held = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
                     lock_temporary(held)
                 with fs.open(f"{target}/{TRAINER_STATE_FILE}", "wb") as f:
-                    guarded = _GuardedWriter(f, max_piece=None)
+                    guarded = GuardedWriter(f, max_piece=None)
                     torch.save(rest, guarded)
                     guarded.raise_error()
             _barrier()
@@ -442,7 +442,7 @@ class _GuardedStreams:
         return getattr(self._fs, name)
 
 
-class _GuardedStream(_GuardedWriter):
+class _GuardedStream(GuardedWriter):
     def __init__(self, stream: Any) -> None:
         super().__init__(stream, max_piece=None)
 

@@ -40,6 +40,7 @@ from trainer_core.checkpoint.format import (
     safe_globals,
     validate_checkpoint,
 )
+from trainer_core.checkpoint.stream import GuardedWriter
 from trainer_core.errors import CheckpointError, MisconfigurationException
 from trainer_core.paths import PathLike, is_local, resolve
 from trainer_core.plugins.io.checkpoint_io import (
@@ -63,44 +64,6 @@ from trainer_core.plugins.io.object_store import (
 UPLOAD_PART_BYTES = 8 * 2**20
 _MIN_UPLOAD_PART_BYTES = 5 * 2**20  # S3's smallest allowed part
 _MAX_UPLOAD_PARTS = 9_000  # below S3's 10,000, with room for the estimate below to be low
-
-
-class _GuardedWriter:
-    """What ``torch.save`` writes into: passes bytes on in bounded pieces and keeps the first error.
-
-    An exception raised by ``write`` inside torch's C++ zip writer comes back out as an unrelated
-    ``RuntimeError`` ("unexpected pos ..."), losing the cause (disk full, connection reset). So the
-    error is caught here, further writes are dropped, and the save raises the original afterwards.
-    """
-
-    def __init__(self, file: Any, max_piece: Optional[int]) -> None:
-        self._file = file
-        self._max_piece = max_piece
-        self.error: Optional[BaseException] = None
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        if self.error is None:
-            try:
-                if self._max_piece is None:
-                    self._file.write(view)
-                else:
-                    for start in range(0, len(view), self._max_piece):
-                        self._file.write(view[start : start + self._max_piece])
-            except Exception as err:
-                self.error = err
-        return len(view)
-
-    def flush(self) -> None:
-        if self.error is None:
-            try:
-                self._file.flush()
-            except Exception as err:
-                self.error = err
-
-    def raise_error(self) -> None:
-        if self.error is not None:
-            raise self.error
 
 
 def _checkpoint_nbytes(checkpoint: Any) -> int:
@@ -231,7 +194,7 @@ class TorchCheckpointIO(CheckpointIO):
         try:
             with fs.open(temp, "wb") as f:
                 lock_temporary(f.fileno())  # held until closed: a live writer's file is never cleaned up
-                writer = _GuardedWriter(f, max_piece=None)
+                writer = GuardedWriter(f, max_piece=None)
                 torch.save(checkpoint, writer)
                 writer.raise_error()
                 f.flush()
@@ -252,7 +215,7 @@ class TorchCheckpointIO(CheckpointIO):
             # s3fs's own file uploads its parts one after another; this one keeps several in flight.
             upload = ParallelMultipartUpload(fs, fs_path, part_size=part, concurrency=concurrency)
             try:
-                writer = _GuardedWriter(upload, max_piece=part)
+                writer = GuardedWriter(upload, max_piece=part)
                 torch.save(checkpoint, writer)
                 writer.raise_error()
                 upload.commit()  # only now is the object published (or the old one replaced)
@@ -273,7 +236,7 @@ class TorchCheckpointIO(CheckpointIO):
                 "object store (s3://, gs://, az://)."
             )
         try:
-            writer = _GuardedWriter(file, max_piece=part)
+            writer = GuardedWriter(file, max_piece=part)
             torch.save(checkpoint, writer)
             writer.raise_error()
             if isinstance(file, AbstractBufferedFile):

@@ -237,7 +237,7 @@ def _real_storage_id(
 
 
 # ---------------------------------------------------------------------- atomic publication
-class _GuardedWriter:
+class GuardedWriter:
     """What the zip writer writes into: bounded pieces, and the first error kept.
 
     An exception raised by ``write`` inside torch's C++ zip writer comes back out as an unrelated
@@ -310,7 +310,7 @@ def publish_file(
             "object store (s3://, gs://, az://)."
         )
     try:
-        guarded = _GuardedWriter(file, max_piece=part)
+        guarded = GuardedWriter(file, max_piece=part)
         write(guarded)
         guarded.raise_error()
         if isinstance(file, AbstractBufferedFile):
@@ -341,7 +341,7 @@ def _publish_local(path: str, write: Callable[[Any], None]) -> None:
     try:
         with open(temp, "wb") as f:
             lock_temporary(f.fileno())  # a live writer's temporary is never cleaned up
-            guarded = _GuardedWriter(f, max_piece=None)
+            guarded = GuardedWriter(f, max_piece=None)
             write(guarded)
             guarded.raise_error()
             f.flush()
