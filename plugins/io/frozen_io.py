@@ -69,6 +69,7 @@ from trainer_core.checkpoint.format import (
     KEY_STATE_DICT,
     safe_globals,
 )
+from trainer_core.checkpoint.stream import publish_local
 from trainer_core.errors import CheckpointError, MisconfigurationException
 from trainer_core.paths import PathLike, is_local
 from trainer_core.plugins.io.async_io import AsyncCheckpointIO
@@ -77,12 +78,9 @@ from trainer_core.plugins.io.checkpoint_io import (
     CheckpointIO,
     WrappingCheckpointIO,
     commit_marker_path,
-    fsync_dir,
     is_temporary_name,
-    lock_temporary,
     read_commit_marker,
     remove_abandoned_temporaries,
-    temporary_path,
     write_commit_marker,
 )
 from trainer_core.plugins.io.torch_io import TorchCheckpointIO
@@ -228,21 +226,7 @@ def _read_manifest(fs: fsspec.AbstractFileSystem, path: str) -> Optional[set[str
 def _write_small_file(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Publish ``data`` at ``path`` whole (local: temporary and rename; an object store's put is whole)."""
     if is_local(fs):
-        folder = _parent(path)
-        os.makedirs(folder, exist_ok=True)
-        temp = temporary_path(path)
-        try:
-            with open(temp, "wb") as f:
-                lock_temporary(f.fileno())
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-                os.replace(temp, path)
-        except BaseException:
-            with suppress(OSError):
-                os.remove(temp)
-            raise
-        fsync_dir(folder)
+        publish_local(path, lambda f: f.write(data))
     else:
         fs.pipe_file(path, data)
 
@@ -273,21 +257,7 @@ def _publish_blob(fs: fsspec.AbstractFileSystem, path: str, data: torch.Tensor) 
     """Write the blob ``data`` (flat uint8) at ``path``: a reader sees no blob or the whole one."""
     view = memoryview(data.numpy()) if data.numel() else memoryview(b"")
     if is_local(fs):
-        folder = _parent(path)
-        os.makedirs(folder, exist_ok=True)
-        temp = temporary_path(path)
-        try:
-            with open(temp, "wb") as f:
-                lock_temporary(f.fileno())  # a live writer's temporary is never cleaned up
-                f.write(view)
-                f.flush()
-                os.fsync(f.fileno())
-                os.replace(temp, path)
-        except BaseException:
-            with suppress(OSError):
-                os.remove(temp)
-            raise
-        fsync_dir(folder)
+        publish_local(path, lambda f: f.write(view))
         return
     if isinstance(fs, MemoryFileSystem):
         fs.pipe_file(path, bytes(view))

@@ -293,7 +293,7 @@ def publish_file(
 
     fs, fs_path = resolve(url, **(storage_options or {}))
     if is_local(fs):
-        _publish_local(fs_path, write)
+        publish_local(fs_path, write)
         return
     from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
     from fsspec.spec import AbstractBufferedFile
@@ -326,7 +326,8 @@ def publish_file(
         write_commit_marker(fs, fs_path, size=fs.size(fs_path))
 
 
-def _publish_local(path: str, write: Callable[[Any], None]) -> None:
+def publish_local(path: str, write: Callable[[Any], None]) -> None:
+    """Write the local file ``path`` with ``write(file)``: a locked temporary, fsynced, renamed over it."""
     from trainer_core.plugins.io.checkpoint_io import (
         fsync_dir,
         lock_temporary,
