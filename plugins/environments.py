@@ -6,11 +6,19 @@ first one whose ``detect()`` holds is used, in the order torchrun, SLURM, local.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
+import signal
 import socket
-from typing import Optional
+from datetime import timedelta
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+_logger = logging.getLogger("trainer_core")
 
 # Below Linux's default ephemeral range (32768-60999): a port the kernel hands out for outgoing connections
 # (gloo opens many between ranks) can be taken between our check and the rendezvous binding it.
@@ -65,6 +73,16 @@ class ClusterEnvironment:
     def node_rank(self) -> int:
         raise NotImplementedError
 
+    def restart_count(self) -> int:
+        """How many times the launcher has restarted this job (0: the first attempt)."""
+        from trainer_core.utilities import launcher_restart_count
+
+        return launcher_restart_count()[1]
+
+    def process_group_store(self, timeout: timedelta) -> Optional[Store]:
+        """The store the process group meets in; ``None``: torch's own ``env://`` rendezvous."""
+        return None
+
     def validate(self, num_devices: int, num_nodes: int) -> None:
         """Fail early when the Trainer's ``devices``/``num_nodes`` disagree with the launcher."""
         expected = num_devices * num_nodes
@@ -100,11 +118,105 @@ class TorchElasticEnvironment(ClusterEnvironment):
     def node_rank(self) -> int:
         return int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0)))
 
+    def validate(self, num_devices: int, num_nodes: int) -> None:
+        """Also accept an elastic launch (``--nnodes 1:N``) that runs on fewer nodes than ``num_nodes`` now."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", num_devices))
+        nodes = int(os.environ.get("GROUP_WORLD_SIZE", num_nodes))
+        if "TORCHELASTIC_RUN_ID" in os.environ and local == num_devices and 1 <= nodes < num_nodes:
+            _logger.info(
+                f"torchrun runs {nodes} of the Trainer's num_nodes={num_nodes} nodes (an elastic node range): "
+                f"training at world size {self.world_size()}."
+            )
+            return
+        super().validate(num_devices, num_nodes)
+
+    def process_group_store(self, timeout: timedelta) -> Optional[Store]:
+        """torchrun's store, with every key scoped by this attempt of the job.
+
+        Restarted workers meet in the store of the launcher that outlives them, which still holds the keys
+        of the attempt before (gloo's addresses among them): a restarted rank could read a dead peer's
+        address and fail or hang in ``init_process_group``. The restart count tells failed attempts apart; a
+        restart because nodes joined keeps that count but changes the world size, so both name the scope.
+        """
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            return None
+        from torch.distributed import PrefixStore, rendezvous
+
+        store, _, _ = next(rendezvous("env://", self.global_rank(), self.world_size(), timeout=timeout))
+        run_id = os.environ["TORCHELASTIC_RUN_ID"]
+        scope = f"trainer_core/{run_id}/attempt{self.restart_count()}/world{self.world_size()}"
+        return PrefixStore(scope, store)
+
 
 class SLURMEnvironment(ClusterEnvironment):
-    """Processes started by ``srun``; an interactive ``salloc`` shell is not mistaken for one."""
+    """Processes started by ``srun``; an interactive ``salloc`` shell is not mistaken for one.
+
+    Pass one in ``Trainer(plugins=[SLURMEnvironment(...)])`` to choose how the job is requeued (found by
+    itself, a SLURM job gets the defaults). On ``requeue_signal`` (SLURM sends it before the time limit
+    when the job asks, e.g. ``#SBATCH --signal=USR1@90``) every rank saves ``preempted.ckpt`` at one
+    step and, with ``auto_requeue``, global rank 0 runs ``scontrol requeue`` on this job; the requeued
+    job (``SLURM_RESTART_COUNT`` > 0) continues from that checkpoint by itself (trainer_core.signals).
+
+    Args:
+        auto_requeue: requeue the job after saving. ``False``: only save and stop (for a launcher such as
+            submitit that requeues the job itself).
+        requeue_signal: the signal SLURM was told to send (a ``signal.Signals``, its number or name such
+            as ``"SIGUSR2"``); ``None``: :attr:`default_requeue_signal`. SIGTERM and SIGUSR1 still save
+            and stop when another signal is chosen.
+    """
 
     creates_processes_externally = True
+    #: The requeue signal of an environment created without one, including the one found by itself in a
+    #: SLURM job: set it (``SLURMEnvironment.default_requeue_signal = signal.SIGUSR2``) to change the signal
+    #: only when the script runs under SLURM (Lightning #21404). ``None`` where the platform lacks SIGUSR1.
+    default_requeue_signal: Optional[signal.Signals] = getattr(signal, "SIGUSR1", None)
+
+    def __init__(
+        self, auto_requeue: bool = True, requeue_signal: Optional[signal.Signals | int | str] = None
+    ) -> None:
+        if not isinstance(auto_requeue, bool):
+            from trainer_core.errors import MisconfigurationException
+
+            raise MisconfigurationException(
+                f"SLURMEnvironment(auto_requeue={auto_requeue!r}): pass True or False."
+            )
+        self.auto_requeue = auto_requeue
+        given = requeue_signal if requeue_signal is not None else type(self).default_requeue_signal
+        self.requeue_signal: Optional[signal.Signals] = None if given is None else _catchable_signal(given)
+
+    @staticmethod
+    def job_name() -> Optional[str]:
+        return os.environ.get("SLURM_JOB_NAME")
+
+    @staticmethod
+    def job_id() -> Optional[int]:
+        """This job's id; ``None`` outside SLURM and in an interactive allocation (as Lightning)."""
+        if os.environ.get("SLURM_JOB_NAME") in _INTERACTIVE_JOB_NAMES:
+            return None
+        value = os.environ.get("SLURM_JOB_ID", "")
+        return int(value) if value.isdigit() else None
+
+    @staticmethod
+    def requeue_job_id() -> Optional[str]:
+        """The id ``scontrol requeue`` takes: ``<array job>_<task>`` for an array task (requeueing the array's
+        own id would requeue every task of it), else the job id; ``None`` when SLURM set neither."""
+        array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+        if array_job and array_task:
+            return f"{array_job}_{array_task}"
+        return os.environ.get("SLURM_JOB_ID") or None
+
+    @staticmethod
+    def detect_batch_job() -> bool:
+        """Whether this process runs inside a SLURM batch job, with or without ``srun``.
+
+        A one-process job started by ``sbatch`` (``python train.py`` in the script) has no ``srun``
+        variables for :meth:`detect`, but is requeued the same way.
+        """
+        return "SLURM_JOB_ID" in os.environ and os.environ.get("SLURM_JOB_NAME") not in _INTERACTIVE_JOB_NAMES
+
+    def __repr__(self) -> str:
+        signame = self.requeue_signal.name if self.requeue_signal is not None else None
+        return f"SLURMEnvironment(auto_requeue={self.auto_requeue}, requeue_signal={signame})"
 
     @staticmethod
     def detect() -> bool:
@@ -112,7 +224,7 @@ class SLURMEnvironment(ClusterEnvironment):
             return False
         # Inside `salloc`/an interactive job the shell itself has SLURM variables but was not started by srun.
         return (
-            os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive") and "SLURM_STEP_ID" in os.environ
+            os.environ.get("SLURM_JOB_NAME") not in _INTERACTIVE_JOB_NAMES and "SLURM_STEP_ID" in os.environ
         )
 
     @property
@@ -141,6 +253,35 @@ class SLURMEnvironment(ClusterEnvironment):
 
     def node_rank(self) -> int:
         return int(os.environ.get("SLURM_NODEID", 0))
+
+
+#: Job names of an interactive allocation (``srun --job-name=interactive``, a ``bash`` shell): not a batch
+#: job, so neither detected nor requeued (Lightning's rule).
+_INTERACTIVE_JOB_NAMES = ("bash", "interactive")
+
+
+def _catchable_signal(value: signal.Signals | int | str) -> signal.Signals:
+    """``value`` as a signal Python can handle, or an error naming the argument."""
+    from trainer_core.errors import MisconfigurationException
+
+    try:
+        if isinstance(value, str):
+            name = value.strip().upper()
+            found = getattr(signal, name if name.startswith("SIG") else f"SIG{name}")
+        else:
+            found = value
+        found = signal.Signals(found)
+    except (AttributeError, ValueError, TypeError):
+        raise MisconfigurationException(
+            f"SLURMEnvironment(requeue_signal={value!r}) is not a signal of this platform; pass one such as "
+            "signal.SIGUSR1 or 'SIGUSR2', the same one as `#SBATCH --signal`."
+        ) from None
+    if found in (getattr(signal, "SIGKILL", None), getattr(signal, "SIGSTOP", None)):
+        raise MisconfigurationException(
+            f"SLURMEnvironment(requeue_signal={found.name}): a process cannot catch {found.name}; have SLURM send "
+            "another signal before the time limit (`#SBATCH --signal=USR1@90`) and pass that one."
+        )
+    return found
 
 
 def _first_host(nodelist: str) -> str:

@@ -143,9 +143,11 @@ class ParallelPlugin(TrainingTypePlugin):
         os.environ.setdefault("MASTER_PORT", str(env.main_port))
         if self._device_type == "cuda":
             torch.cuda.set_device(self.root_device)
+        store = env.process_group_store(self.timeout)
         dist.init_process_group(
             self.backend,
-            init_method="env://",
+            init_method=None if store is not None else "env://",
+            store=store,
             rank=self.global_rank,
             world_size=self.world_size,
             timeout=self.timeout,
@@ -212,7 +214,10 @@ class ParallelPlugin(TrainingTypePlugin):
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     def process_dataloader(self, dataloader: Any, kind: str, use_distributed_sampler: bool) -> Any:
-        if not use_distributed_sampler or self.world_size == 1 or not isinstance(dataloader, DataLoader):
+        # At world size 1 too, as Lightning: the sampler's order (seed + epoch) is the one of every world
+        # size, so a run that shrank to one process (torchrun --nnodes 1:N) or grows from one continues
+        # after exactly the samples the checkpoint had seen; a RandomSampler would draw another order.
+        if not use_distributed_sampler or not isinstance(dataloader, DataLoader):
             return dataloader
         return with_distributed_sampler(dataloader, kind, self.world_size, self.global_rank)
 

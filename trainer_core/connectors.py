@@ -19,6 +19,7 @@ from trainer_core.callbacks.timer import Timer
 from trainer_core.errors import MisconfigurationException
 from trainer_core.loggers import CSVLogger, TensorBoardLogger, tensorboard_available
 from trainer_core.plugins import TrainingTypePlugin, plugin_from_name
+from trainer_core.plugins.environments import ClusterEnvironment
 from trainer_core.plugins.io import CheckpointIO
 from trainer_core.utilities import as_list, rank_zero_only, rank_zero_warn
 
@@ -131,7 +132,13 @@ def select_plugin(accelerator: str, strategy: Any, devices: Any, num_nodes: int,
     """The one training-type plugin of the run, from ``plugins=``/``strategy=`` or the device count."""
     given = [p for p in as_list(plugins) if p is not None]
     checkpoint_io = [p for p in given if isinstance(p, CheckpointIO)]
-    given = [p for p in given if not isinstance(p, CheckpointIO)]
+    environments = [p for p in given if isinstance(p, ClusterEnvironment)]
+    given = [p for p in given if not isinstance(p, (CheckpointIO, ClusterEnvironment))]
+    if len(environments) > 1:
+        raise MisconfigurationException(
+            f"Trainer(plugins=[...]) got {len(environments)} cluster environments "
+            f"({', '.join(repr(e) for e in environments)}); pass at most one."
+        )
     if strategy is not None and strategy != "auto":
         given.append(strategy)
     if len(given) > 1:
@@ -148,7 +155,8 @@ def select_plugin(accelerator: str, strategy: Any, devices: Any, num_nodes: int,
             plugin = plugin_from_name(plugin)
         elif not isinstance(plugin, TrainingTypePlugin):
             raise MisconfigurationException(
-                f"Trainer(plugins={plugin!r}): pass a TrainingTypePlugin, a CheckpointIO or a registered plugin name."
+                f"Trainer(plugins={plugin!r}): pass a TrainingTypePlugin, a CheckpointIO, a ClusterEnvironment "
+                "or a registered plugin name."
             )
     elif n_devices * num_nodes == 1:
         plugin = plugin_from_name("single_device")
@@ -171,8 +179,25 @@ def select_plugin(accelerator: str, strategy: Any, devices: Any, num_nodes: int,
             plugin.set_default_device(device)
     if checkpoint_io:
         plugin.checkpoint_io = checkpoint_io[-1]
+    if environments:
+        _give_environment(plugin, environments[0])
     plugin.configure_devices(device.type, n_devices, num_nodes)
     return plugin
+
+
+def _give_environment(plugin: TrainingTypePlugin, environment: ClusterEnvironment) -> None:
+    """``Trainer(plugins=[SLURMEnvironment(...)])``, as in Lightning: the plugin's cluster environment.
+
+    A one-process plugin starts no processes, but keeps it too: the pre-emption handler reads its requeue
+    settings there (trainer_core.signals).
+    """
+    own = getattr(plugin, "cluster_environment", None)
+    if own is not None and own is not environment:
+        raise MisconfigurationException(
+            f"Trainer(plugins=[..., {environment!r}]) but the plugin {type(plugin).__name__} was given "
+            f"cluster_environment={own!r} already; pass the environment in one place."
+        )
+    plugin.cluster_environment = environment
 
 
 def _name(plugin: Any) -> str:

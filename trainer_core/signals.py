@@ -24,6 +24,17 @@ ends cleanly and its next start continues exactly with ``fit(ckpt_path="last")``
 
 A signal that arrives when no batch boundary follows (during the last validation, say) is handed
 to the handler that was there before once ``fit`` ends, so it is never lost.
+
+SLURM requeue. In a SLURM job (a ``SLURMEnvironment`` passed in ``Trainer(plugins=[...])`` or found by
+itself, a one-process ``sbatch`` job included) the environment's ``requeue_signal`` (SIGUSR1 unless
+configured; SLURM sends it before the time limit with ``#SBATCH --signal=USR1@90``) is handled too.
+It saves as above; then, with ``auto_requeue``, once the run is torn down (``scontrol requeue`` makes
+SLURM stop the running job, so it comes last), global rank 0 runs ``scontrol requeue <job>`` and the
+job ends with exit status 0. The requeued job starts with ``SLURM_RESTART_COUNT`` > 0, where ``fit``
+without ``ckpt_path`` continues from ``"last"``: from this checkpoint. When ``scontrol`` is missing
+(a container without SLURM's tools), fails or does not answer, the log says why, that the checkpoint
+is safe, and how to continue. In the ranks' agreement a requeue outranks a plain stop (SIGTERM): the
+checkpoint is the same, and one rank told to requeue means the scheduler wants the job continued.
 """
 
 from __future__ import annotations
@@ -32,17 +43,21 @@ import contextlib
 import logging
 import math
 import os
+import re
+import shutil
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Union
 
 import torch
 
 from trainer_core import paths
 
 if TYPE_CHECKING:
+    from trainer_core.plugins.environments import SLURMEnvironment
     from trainer_core.trainer import Trainer
 
 _logger = logging.getLogger("trainer_core")
@@ -56,6 +71,11 @@ EXIT_CODE = 0
 AGREE_EVERY_SECONDS = 1.0
 #: Agreements at least this often (steps), however fast a step is.
 _MAX_STEPS_BETWEEN_AGREEMENTS = 1000
+#: How long ``scontrol requeue`` may take. It answers at once on a healthy cluster; a controller that does
+#: not must not hold the job past its grace period without saying so.
+REQUEUE_TIMEOUT_SECONDS = 30.0
+# Added to the requeue signal's number in the ranks' agreement (a ``max``), so that it outranks a stop.
+_REQUEUE_CODE = 1024
 
 _Handler = Union[Callable[[int, Any], Any], int, None]
 
@@ -66,16 +86,29 @@ class Preempted(BaseException):
     A ``BaseException`` so that a user's ``except Exception`` in a hook cannot swallow it.
     """
 
-    def __init__(self, signum: int, checkpoint_path: str) -> None:
+    def __init__(self, signum: int, checkpoint_path: str, requeue: Optional[SLURMEnvironment] = None) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name}; checkpoint at {checkpoint_path}")
         self.signum = signum
         self.checkpoint_path = checkpoint_path
+        #: The SLURM environment whose job is requeued once the run is torn down; ``None``: only stop.
+        self.requeue = requeue
 
 
 class PreemptionHandler:
     """Records pre-emption signals during one ``fit`` and restores the previous handlers after it."""
 
-    def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS) -> None:
+    def __init__(
+        self,
+        signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS,
+        environment: Optional[SLURMEnvironment] = None,
+    ) -> None:
+        #: The SLURM job's environment (``None``: not a SLURM job): its requeue signal is handled too.
+        self.environment = environment
+        self.requeue_signal = environment.requeue_signal if environment is not None else None
+        #: Whether the requeue signal requeues the job (else it saves and stops like the others).
+        self.requeues = self.requeue_signal is not None and bool(environment and environment.auto_requeue)
+        if self.requeue_signal is not None and self.requeue_signal not in signals:
+            signals = (*signals, self.requeue_signal)
         self.signals = signals
         #: The first signal received and not yet acted on (``None``: none). The fit loop reads it.
         self.received: Optional[int] = None
@@ -111,7 +144,8 @@ class PreemptionHandler:
             os.kill(os.getpid(), pending)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if self.received is None:
+        # The first signal counts, except that a requeue request outranks a stop that came before it.
+        if self.received is None or (self.requeues and signum == self.requeue_signal):
             self.received = signum
 
     def agreed(self, trainer: Trainer) -> Optional[int]:
@@ -125,33 +159,51 @@ class PreemptionHandler:
             return None
         # The first interval also holds the setup since ``install``: it only makes the next one short.
         seconds_per_step = (time.perf_counter() - self._interval_start) / self._interval
-        local = torch.tensor([float(self.received or 0), seconds_per_step], dtype=torch.float64)
-        signum, slowest = trainer.plugin.reduce(local, reduce_op="max").tolist()
+        code = self.received or 0
+        if code and self.requeues and code == self.requeue_signal:
+            code += _REQUEUE_CODE
+        local = torch.tensor([float(code), seconds_per_step], dtype=torch.float64)
+        code, slowest = trainer.plugin.reduce(local, reduce_op="max").tolist()
         # Every rank holds the same ``slowest``, so every rank picks the same next interval.
         steps = AGREE_EVERY_SECONDS / slowest if slowest > 0 else 1.0
         self._interval = max(1, min(_MAX_STEPS_BETWEEN_AGREEMENTS, math.ceil(steps)))
         self._steps_left = self._interval
         self._interval_start = time.perf_counter()
-        # Some rank was signalled, perhaps not this one: every rank acts on (the largest) signal.
-        return int(signum) if signum else None
+        # Some rank was signalled, perhaps not this one: every rank acts on the same signal, a requeue
+        # request if any rank got one, else the largest.
+        signum = int(code)
+        return (signum - _REQUEUE_CODE if signum >= _REQUEUE_CODE else signum) or None
 
     def save_and_stop(self, trainer: Trainer, signum: int) -> None:
         """Write the pre-emption checkpoint (every rank takes part), then unwind ``fit``."""
         path = checkpoint_path(trainer)
+        # Every rank has written its part once this returns (it ends with a barrier).
         trainer.save_checkpoint(path)
         self.received = None
+        requeue = self.environment if self.requeues and signum == self.requeue_signal else None
         if trainer.is_global_zero:
-            _logger.info(
-                f"{signal.Signals(signum).name} received: saved {path} at step {trainer.global_step}; exiting. "
-                'Continue with `fit(..., ckpt_path="last")`.'
-            )
-        raise Preempted(signum, path)
+            name = signal.Signals(signum).name
+            if requeue is not None:
+                _logger.info(
+                    f"{name} received: saved {path} at step {trainer.global_step}; requeueing the SLURM job "
+                    "once the run is torn down."
+                )
+            else:
+                _logger.info(
+                    f"{name} received: saved {path} at step {trainer.global_step}; exiting. "
+                    'Continue with `fit(..., ckpt_path="last")`.'
+                )
+        raise Preempted(signum, path, requeue)
 
 
 @contextlib.contextmanager
-def handle_preemption(stage: str) -> Iterator[Optional[PreemptionHandler]]:
-    """During ``fit`` (in the main thread), record pre-emption signals; yields the record (or ``None``)."""
-    handler = PreemptionHandler()
+def handle_preemption(stage: str, trainer: Optional[Trainer] = None) -> Iterator[Optional[PreemptionHandler]]:
+    """During ``fit`` (in the main thread), record pre-emption signals; yields the record (or ``None``).
+
+    With ``trainer``, a SLURM job's requeue signal is handled too (:func:`slurm_environment`).
+    """
+    environment = slurm_environment(trainer) if trainer is not None and stage == "fit" else None
+    handler = PreemptionHandler(environment=environment)
     installed = stage == "fit" and handler.install()
     try:
         yield handler if installed else None
@@ -164,6 +216,26 @@ def handle_preemption(stage: str) -> Iterator[Optional[PreemptionHandler]]:
     else:
         if installed:
             handler.restore()
+
+
+def slurm_environment(trainer: Trainer) -> Optional[SLURMEnvironment]:
+    """The SLURM job's environment whose requeue settings apply to this run, or ``None``.
+
+    The plugin's own (passed in ``Trainer(plugins=[SLURMEnvironment(...)])``, or detected under ``srun``);
+    for a one-process run inside a SLURM batch job without one, the defaults (a job started by ``sbatch``
+    with ``python train.py`` in its script is requeued as Lightning requeues it).
+    """
+    from trainer_core.plugins.environments import LocalEnvironment, SLURMEnvironment
+
+    environment = getattr(trainer.plugin, "cluster_environment", None)
+    if isinstance(environment, SLURMEnvironment):
+        return environment
+    one_process = environment is None or (
+        isinstance(environment, LocalEnvironment) and trainer.world_size == 1
+    )
+    if one_process and SLURMEnvironment.detect_batch_job():
+        return SLURMEnvironment()
+    return None
 
 
 def checkpoint_path(trainer: Trainer) -> str:
@@ -187,3 +259,65 @@ def finish_preempted(trainer: Trainer, exc: Preempted) -> None:
             cb.on_exception(trainer, module, exc)
     for lg in trainer.loggers:
         lg.finalize("preempted")
+    # Requeued by :func:`exit_preempted` when ``fit`` ends, after the teardown.
+    trainer._pending_requeue = exc if exc.requeue is not None else None
+
+
+def exit_preempted(trainer: Trainer) -> NoReturn:
+    """End the pre-empted job with :data:`EXIT_CODE`; first, on global rank 0, requeue it when its signal asked.
+
+    Called by ``fit`` after the teardown: ``scontrol requeue`` makes SLURM stop the running job, so every
+    rank must have the checkpoint (it does, since the save ends with a barrier) and the run must be torn
+    down (loggers flushed, process group closed) before it.
+    """
+    pending: Optional[Preempted] = trainer.__dict__.pop("_pending_requeue", None)
+    if pending is not None and pending.requeue is not None and trainer.is_global_zero:
+        requeue_job(pending.requeue, pending.checkpoint_path)
+    raise SystemExit(EXIT_CODE)
+
+
+def requeue_job(environment: SLURMEnvironment, checkpoint: str, timeout: Optional[float] = None) -> bool:
+    """Run ``scontrol requeue`` on this SLURM job; ``False`` (and a log line saying what to do) when that fails.
+
+    Never raises: the checkpoint is written whatever happens here, and the job must still end cleanly.
+    """
+    timeout = REQUEUE_TIMEOUT_SECONDS if timeout is None else timeout
+    job_id = environment.requeue_job_id()
+    problem = ""
+    if job_id is None:
+        problem = "SLURM_JOB_ID is not set, so this process is not in a SLURM job"
+    elif not re.fullmatch(r"[0-9]+(_[0-9]+)?", job_id):
+        problem = f"the job id {job_id!r} (from SLURM_JOB_ID/SLURM_ARRAY_JOB_ID) is not one scontrol takes"
+    else:
+        scontrol = shutil.which("scontrol")
+        if scontrol is None:
+            problem = "`scontrol` is not on the PATH (a container without SLURM's tools?)"
+        else:
+            command = f"scontrol requeue {job_id}"
+            try:
+                done = subprocess.run(
+                    [scontrol, "requeue", job_id],
+                    stdin=subprocess.DEVNULL,
+                    capture_output=True,
+                    text=True,
+                    errors="replace",
+                    timeout=timeout,
+                )
+            except subprocess.TimeoutExpired:
+                problem = f"`{command}` did not answer within {timeout:g} s"
+            except OSError as error:
+                problem = f"`{command}` could not run: {error}"
+            else:
+                if done.returncode == 0:
+                    _logger.info(f"requeued SLURM job {job_id}; it continues from {checkpoint}.")
+                    return True
+                output = (done.stderr or done.stdout or "").strip() or "no output"
+                problem = f"`{command}` exited with status {done.returncode}: {output}"
+    requeue = f"`scontrol requeue {job_id}`" if job_id else "`scontrol requeue <job id>`"
+    _logger.warning(
+        f"Could not requeue the SLURM job: {problem}. The checkpoint is safe at {checkpoint}. To continue, "
+        f"requeue the job yourself ({requeue} where SLURM's tools are): a requeued job resumes from it by "
+        'itself (fit resumes "last" when SLURM_RESTART_COUNT > 0); or submit it again with '
+        '`fit(..., ckpt_path="last")`.'
+    )
+    return False

@@ -45,7 +45,7 @@ from trainer_core.module import LightningModule
 from trainer_core.optim import LightningOptimizer, LRSchedulerConfig
 from trainer_core.precision import Precision
 from trainer_core.profilers import Profiler, is_active, resolve_profiler
-from trainer_core.utilities import rank_zero_only, rank_zero_warn
+from trainer_core.utilities import launcher_restart_count, rank_zero_only, rank_zero_warn
 from trainer_core.utilities.compile import is_compiled, is_compiled_lightning_module, unwrap_compiled_module
 
 if TYPE_CHECKING:
@@ -226,6 +226,8 @@ class Trainer:
         self.datamodule: Optional[LightningDataModule] = None
         self.lightning_module: Optional[LightningModule] = None
         self.ckpt_path: Optional[str] = None
+        #: Why ``fit`` resumes although it was given no ``ckpt_path`` (a launcher's restart), for its messages.
+        self.resume_reason = ""
         self.fit_loop: Optional[FitLoop] = None
         # The last ``predict``'s PredictLoop (trainer_core.loops.evaluation): what prediction writers read.
         self.predict_loop: Any = None
@@ -257,13 +259,22 @@ class Trainer:
             raise MisconfigurationException("fit: pass either dataloaders or `datamodule=`, not both.")
         self.plugin.connect(model)
         self.preempted = False
+        self.resume_reason = ""
+        if ckpt_path is None:
+            # A job its launcher restarted (torchrun after a failure, a requeued SLURM job) continues where
+            # the attempt before it stopped: its newest complete checkpoint, agreed by every rank.
+            launcher, restarts = launcher_restart_count()
+            if restarts:
+                ckpt_path = "last"
+                self.resume_reason = f"restart {restarts} of this job by {launcher}"
         self.progress.start_fit()
         self.train_dataloader = None
         self.fit_loop = FitLoop(self, train_dataloaders, val_dataloaders, ckpt_path)
         self._run_stage("fit", model, datamodule, self.fit_loop.run)
         if self.preempted:
-            # Every rank saved the same step and tore down cleanly: end the job, successfully.
-            raise SystemExit(signals.EXIT_CODE)
+            # Every rank saved the same step and tore down cleanly: end the job, successfully (a SLURM job
+            # whose requeue signal stopped it is requeued first).
+            signals.exit_preempted(self)
 
     def validate(
         self,
@@ -375,7 +386,7 @@ class Trainer:
 
     def _guarded(self, stage: str, body: Callable[[], Any]) -> Any:
         try:
-            with signals.handle_preemption(stage) as preemption:
+            with signals.handle_preemption(stage, self) as preemption:
                 if self.fit_loop is not None:
                     self.fit_loop.preemption = preemption
                 self._setup_profiler(stage)

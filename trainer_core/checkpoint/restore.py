@@ -48,7 +48,7 @@ from trainer_core.checkpoint.optimizer import (
 from trainer_core.checkpoint.save import data_replicas, loader_batch_size
 from trainer_core.errors import CheckpointError, MisconfigurationException
 from trainer_core.optim import rebase_learning_rates
-from trainer_core.utilities import rank_zero_warn
+from trainer_core.utilities import rank_zero_info, rank_zero_warn
 from trainer_core.utilities.compile import (
     module_state_dict,
     plain_named_parameters,
@@ -75,22 +75,48 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: Union[str, os.PathLike]) -> O
     if path != "last":
         return path
     io = trainer.plugin.checkpoint_io
-    candidates = []
+    folders: list[list[str]] = []  # every complete checkpoint this rank sees, per folder, oldest first
     for cb in trainer.checkpoint_callbacks:
         if cb.dirpath is None:
             cb.setup(trainer, trainer.lightning_module, "fit")
-        for folder in cb.resume_search_dirs():
-            found = io.latest_complete(folder)
-            if found is not None:
-                candidates.append(found)
+        folders += [io.list_complete(folder) for folder in cb.resume_search_dirs()]
+    if trainer.world_size > 1:
+        common = _agreed_checkpoints(trainer, [found for listed in folders for found in listed])
+        folders = [[found for found in listed if found in common] for listed in folders]
+    # The newest of each folder, then the newest of those.
+    candidates = [listed[-1] for listed in folders if listed]
+    reason = trainer.resume_reason
     if not candidates:
         rank_zero_warn(
+            f"{reason + ': ' if reason else ''}"
             'fit(ckpt_path="last") found no complete checkpoint; training starts from the beginning.'
         )
         return None
-    if len(candidates) == 1:
-        return candidates[0]
-    return max(candidates, key=io.saved_at)
+    newest = candidates[0] if len(candidates) == 1 else max(candidates, key=io.saved_at)
+    if reason:
+        rank_zero_info(f"{reason}: resuming from {newest}.")
+    return newest
+
+
+def _agreed_checkpoints(trainer: Trainer, listed: list[str]) -> set[str]:
+    """The checkpoints every rank sees as complete, so that every rank resumes the same step.
+
+    Nodes list the folder at slightly different moments (a save may finish, or an old checkpoint be
+    removed, in between), and on a folder that is not shared they may see different files: each rank
+    picking its own newest could load different steps.
+    """
+    seen = trainer.plugin.all_gather_object(listed)
+    common = set(seen[0]).intersection(*seen[1:])
+    if not common and any(seen):
+        newest = "; ".join(
+            f"rank {rank}: {found[-1] if found else 'none'}" for rank, found in enumerate(seen)
+        )
+        raise CheckpointError(
+            f'fit(ckpt_path="last"): the ranks see no complete checkpoint in common (newest per rank: {newest}). '
+            "Every node must see the same checkpoint folder (a shared file system or an object store); "
+            "or pass one path that every rank can read as ckpt_path."
+        )
+    return common
 
 
 def restore_checkpoint(

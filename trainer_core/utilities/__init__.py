@@ -22,6 +22,7 @@ __all__ = [
     "cli_lightning_logo",
     "extract_batch_size",
     "grad_norm",
+    "launcher_restart_count",
     "listing",
     "move_data_to_device",
     "rank_zero_deprecation",
@@ -42,6 +43,18 @@ def _rank_from_env() -> int:
 
 
 rank_zero_only.rank = getattr(rank_zero_only, "rank", _rank_from_env())
+
+
+def launcher_restart_count() -> tuple[str, int]:
+    """``(launcher, n)``: this process belongs to its launcher's ``n``-th restart of the job; ``("", 0)``: the first start.
+
+    torchrun counts the restarts after a failure (``--max-restarts``); SLURM counts a job's requeues.
+    """
+    for launcher, variable in (("torchrun", "TORCHELASTIC_RESTART_COUNT"), ("SLURM", "SLURM_RESTART_COUNT")):
+        value = os.environ.get(variable, "")
+        if value.isdigit() and int(value) > 0:
+            return launcher, int(value)
+    return "", 0
 
 
 class AttributeDict(dict):
