@@ -8,6 +8,7 @@ from trainer_core.callbacks.device_stats_monitor import DeviceStatsMonitor
 from trainer_core.callbacks.early_stopping import EarlyStopping
 from trainer_core.callbacks.finetuning import BackboneFinetuning, BaseFinetuning
 from trainer_core.callbacks.gradient_accumulation import GradientAccumulationScheduler
+from trainer_core.callbacks.hang_watchdog import HangWatchdog
 from trainer_core.callbacks.lambda_function import LambdaCallback
 from trainer_core.callbacks.lr_finder import LearningRateFinder
 from trainer_core.callbacks.lr_monitor import LearningRateMonitor
@@ -18,6 +19,7 @@ from trainer_core.callbacks.prediction_writer import BasePredictionWriter
 from trainer_core.callbacks.progress import ProgressBar, TQDMProgressBar
 from trainer_core.callbacks.rich_progress import RichProgressBar
 from trainer_core.callbacks.stochastic_weight_avg import StochasticWeightAveraging
+from trainer_core.callbacks.straggler import StragglerMonitor
 from trainer_core.callbacks.throughput_monitor import ThroughputMonitor
 from trainer_core.callbacks.timer import Timer
 from trainer_core.callbacks.weight_averaging import EMAWeightAveraging, WeightAveraging
@@ -32,6 +34,7 @@ __all__ = [
     "EMAWeightAveraging",
     "EarlyStopping",
     "GradientAccumulationScheduler",
+    "HangWatchdog",
     "LambdaCallback",
     "LearningRateFinder",
     "LearningRateMonitor",
@@ -42,6 +45,7 @@ __all__ = [
     "RichModelSummary",
     "RichProgressBar",
     "StochasticWeightAveraging",
+    "StragglerMonitor",
     "TQDMProgressBar",
     "ThroughputMonitor",
     "Timer",
