@@ -6,12 +6,15 @@ first one whose ``detect()`` holds is used, in the order torchrun, SLURM, local.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
 import re
 import signal
 import socket
+import time
+import uuid
 from datetime import timedelta
 from typing import TYPE_CHECKING, Optional
 
@@ -131,21 +134,68 @@ class TorchElasticEnvironment(ClusterEnvironment):
         super().validate(num_devices, num_nodes)
 
     def process_group_store(self, timeout: timedelta) -> Optional[Store]:
-        """torchrun's store, with every key scoped by this attempt of the job.
+        """torchrun's store, with every key scoped to this start of the workers.
 
-        Restarted workers meet in the store of the launcher that outlives them, which still holds the keys
-        of the attempt before (gloo's addresses among them): a restarted rank could read a dead peer's
-        address and fail or hang in ``init_process_group``. The restart count tells failed attempts apart; a
-        restart because nodes joined keeps that count but changes the world size, so both name the scope.
+        Restarted workers meet in a store that outlives them (the launcher's), which still holds the keys
+        of the start before, gloo's addresses among them: a restarted rank could read a dead peer's address
+        and fail or hang in ``init_process_group``. No variable torchrun sets tells one start from the next
+        on every node (``TORCHELASTIC_RESTART_COUNT`` is each agent's own count: a node that joins starts
+        at 0, and a restart for a node that joined does not count), so the ranks agree on a fresh scope
+        (:func:`agree_on_scope`).
         """
         if "TORCHELASTIC_RUN_ID" not in os.environ:
             return None
         from torch.distributed import PrefixStore, rendezvous
 
-        store, _, _ = next(rendezvous("env://", self.global_rank(), self.world_size(), timeout=timeout))
-        run_id = os.environ["TORCHELASTIC_RUN_ID"]
-        scope = f"trainer_core/{run_id}/attempt{self.restart_count()}/world{self.world_size()}"
-        return PrefixStore(scope, store)
+        rank, world = self.global_rank(), self.world_size()
+        store, _, _ = next(rendezvous("env://", rank, world, timeout=timeout))
+        prefix = f"trainer_core/{os.environ['TORCHELASTIC_RUN_ID']}/world{world}"
+        return PrefixStore(agree_on_scope(store, rank, world, prefix, timeout), store)
+
+
+#: How long rank 0 waits for every rank to accept a proposed scope before it reads the tokens again.
+_ACCEPT_SECONDS = 1.0
+
+
+def agree_on_scope(store: Store, rank: int, world_size: int, prefix: str, timeout: timedelta) -> str:
+    """A key prefix every rank of this start agrees on, made only of values this start wrote.
+
+    Each rank writes a fresh random token. Rank 0 reads the tokens and proposes them, named by their
+    hash; a rank accepts only a proposal that holds its own token, so a token or a proposal a dead start
+    left behind is never agreed on. Rank 0 declares the scope once every rank has accepted; when they
+    have not within :data:`_ACCEPT_SECONDS` (a token it read was stale, its rank had not written yet), it
+    reads the tokens again and proposes anew. A few store round trips per rank.
+    """
+    token = uuid.uuid4().hex
+    store.set(f"{prefix}/token/{rank}", token)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:
+        if rank == 0:
+            tokens = [token] + [store.get(f"{prefix}/token/{r}").decode() for r in range(1, world_size)]
+            name = f"{prefix}/{hashlib.sha256(','.join(tokens).encode()).hexdigest()[:16]}"
+            store.set(f"{prefix}/proposal", f"{name}|{','.join(tokens)}")
+            until = time.monotonic() + _ACCEPT_SECONDS
+            while time.monotonic() < until:
+                if store.add(f"{name}/accepted", 0) >= world_size - 1:
+                    store.set(f"{name}/agreed", "1")
+                    return name
+                time.sleep(0.01)
+            continue
+        name, _, listed = store.get(f"{prefix}/proposal").decode().partition("|")
+        tokens = listed.split(",")
+        if len(tokens) != world_size or tokens[rank] != token:
+            time.sleep(0.02)  # a proposal of a dead start, or made before this rank's token was written
+            continue
+        store.add(f"{name}/accepted", 1)
+        try:
+            store.wait([f"{name}/agreed"], timedelta(seconds=3 * _ACCEPT_SECONDS))
+            return name
+        except RuntimeError:  # (torch's DistStoreError) rank 0 proposed again: read the new proposal
+            continue
+    raise RuntimeError(
+        f"rank {rank}: the {world_size} ranks of this torchrun start did not all reach the process group's store "
+        f"within {timeout}; another rank has died or hangs before init_process_group (its own output says which)."
+    )
 
 
 class SLURMEnvironment(ClusterEnvironment):

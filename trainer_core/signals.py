@@ -112,6 +112,8 @@ class PreemptionHandler:
         self.signals = signals
         #: The first signal received and not yet acted on (``None``: none). The fit loop reads it.
         self.received: Optional[int] = None
+        #: Whether training has begun (:meth:`arm`); before, a stop signal ends the process at once.
+        self.armed = False
         self._previous: dict[int, _Handler] = {}
         # Several ranks: steps left until the next agreement, the length of the current interval
         # and when it began. The first agreement comes after one step, then the interval adapts.
@@ -143,7 +145,22 @@ class PreemptionHandler:
         else:
             os.kill(os.getpid(), pending)
 
+    def arm(self) -> None:
+        """Training has begun: from now on a signal saves a checkpoint before the job stops."""
+        self.armed = True
+
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if not self.armed and not (self.requeues and signum == self.requeue_signal):
+            # Before the first training batch there is nothing new to save: the signal does at once what
+            # it would without trainer-core (torchrun stops workers with SIGTERM and kills them 30 s later;
+            # a worker still setting up must not sit those out).
+            previous = self._previous.get(signum)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
         # The first signal counts, except that a requeue request outranks a stop that came before it.
         if self.received is None or (self.requeues and signum == self.requeue_signal):
             self.received = signum

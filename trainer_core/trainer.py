@@ -260,13 +260,6 @@ class Trainer:
         self.plugin.connect(model)
         self.preempted = False
         self.resume_reason = ""
-        if ckpt_path is None:
-            # A job its launcher restarted (torchrun after a failure, a requeued SLURM job) continues where
-            # the attempt before it stopped: its newest complete checkpoint, agreed by every rank.
-            launcher, restarts = launcher_restart_count()
-            if restarts:
-                ckpt_path = "last"
-                self.resume_reason = f"restart {restarts} of this job by {launcher}"
         self.progress.start_fit()
         self.train_dataloader = None
         self.fit_loop = FitLoop(self, train_dataloaders, val_dataloaders, ckpt_path)
@@ -437,6 +430,9 @@ class Trainer:
         if extra:
             self.callbacks = merge_module_callbacks(self.callbacks, extra)
         self.plugin.setup_environment()
+        fit_loop = self.fit_loop
+        if stage == "fit" and fit_loop is not None and fit_loop.ckpt_path is None:
+            self._resume_after_restart(fit_loop)
         if self.local_rank == 0:
             if self.datamodule is not None and is_overridden(
                 "prepare_data", self.datamodule, LightningDataModule
@@ -450,7 +446,6 @@ class Trainer:
         runner.call_module("setup", stage=stage)
         with self.plugin.configuring_model():
             runner.call_module("configure_model")
-        fit_loop = self.fit_loop
         if stage == "fit" and fit_loop is not None and fit_loop.ckpt_path is not None:
             fit_loop.pending_restore = None
             if not self.plugin.restore_checkpoint_after_setup:
@@ -473,6 +468,24 @@ class Trainer:
             self.plugin.setup_optimizer_in_backward()
         runner.after_closure = runner.make_after_closure(module)
         self.metrics.train_results.plugin = self.plugin
+
+    def _resume_after_restart(self, fit_loop: FitLoop) -> None:
+        """A job its launcher restarted (torchrun after a failure, a requeued SLURM job) continues where the
+        attempt before it stopped, from the newest complete checkpoint every rank sees (``"last"``).
+
+        Each node's launcher counts its own restarts (under torchrun a node that joined counts 0), so the
+        ranks agree first: one restarted rank means the job was restarted.
+        """
+        launcher, restarts = launcher_restart_count()
+        if self.world_size > 1 and (
+            "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_RESTART_COUNT" in os.environ
+        ):
+            launcher, restarts = max(
+                self.plugin.all_gather_object((launcher, restarts)), key=lambda seen: seen[1]
+            )
+        if restarts:
+            fit_loop.ckpt_path = "last"
+            self.resume_reason = f"restart {restarts} of this job by {launcher}"
 
     def _count_manual_step(self) -> None:
         self.progress.global_step += 1

@@ -10,6 +10,13 @@ second process.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +29,7 @@ from torch.distributed import TCPStore
 from trainer_core.callbacks import ModelCheckpoint
 from trainer_core.checkpoint.restore import _agreed_checkpoints
 from trainer_core.errors import CheckpointError, MisconfigurationException
-from trainer_core.plugins.environments import TorchElasticEnvironment, find_free_port
+from trainer_core.plugins.environments import TorchElasticEnvironment, agree_on_scope, find_free_port
 from trainer_core.utilities import launcher_restart_count
 
 
@@ -100,6 +107,25 @@ def test_a_given_ckpt_path_wins_over_the_automatic_resume(
     assert trainer.ckpt_path.endswith("a/epoch=0-step=2.ckpt")
 
 
+def test_one_restarted_rank_means_the_job_was_restarted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each torchrun agent counts its own restarts: a node that joined the new round counts 0."""
+    from trainer_core import Trainer
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # this rank's agent restarted nothing
+    seen = [("", 0), ("torchrun", 2)]
+    trainer = SimpleNamespace(
+        world_size=2, resume_reason="", plugin=SimpleNamespace(all_gather_object=lambda mine: seen)
+    )
+    fit_loop = SimpleNamespace(ckpt_path=None)
+    Trainer._resume_after_restart(trainer, fit_loop)  # type: ignore[arg-type]
+    assert fit_loop.ckpt_path == "last" and trainer.resume_reason == "restart 2 of this job by torchrun"
+    seen[1] = ("", 0)
+    fit_loop.ckpt_path = None
+    Trainer._resume_after_restart(trainer, fit_loop)  # type: ignore[arg-type]
+    assert fit_loop.ckpt_path is None
+
+
 def _ranks_seeing(*listings: list[str]) -> SimpleNamespace:
     return SimpleNamespace(plugin=SimpleNamespace(all_gather_object=lambda mine: list(listings)))
 
@@ -113,9 +139,37 @@ def test_ranks_that_list_different_checkpoints_agree_on_the_newest_they_all_see(
     assert _agreed_checkpoints(_ranks_seeing([], []), []) == set()
 
 
-def test_torchrun_scopes_the_process_group_store_by_attempt_and_world_size(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _agree(port: int, world: int) -> list[str]:
+    """Every rank of one start runs ``agree_on_scope`` at once (threads, each with its own store client)."""
+    names: list[str] = [""] * world
+
+    def rank(r: int) -> None:
+        client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=20))
+        names[r] = agree_on_scope(client, r, world, "trainer_core/job7/world3", timedelta(seconds=20))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return names
+
+
+def test_the_ranks_of_each_start_agree_on_a_fresh_store_scope() -> None:
+    port = find_free_port()
+    server = TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20)
+    )
+    first = _agree(port, 3)
+    assert first[0] and first == [first[0]] * 3
+    # A dead start left its tokens and its proposal behind; the next start never agrees on them.
+    assert server.get("trainer_core/job7/world3/proposal").decode().startswith(first[0])
+    second = _agree(port, 3)
+    assert second == [second[0]] * 3 and second[0] != first[0]
+    assert second[0].startswith("trainer_core/job7/world3/")
+
+
+def test_torchrun_workers_meet_in_the_agreed_scope(monkeypatch: pytest.MonkeyPatch) -> None:
     port = find_free_port()
     server = TCPStore(
         "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
@@ -134,13 +188,46 @@ def test_torchrun_scopes_the_process_group_store_by_attempt_and_world_size(
         monkeypatch.setenv(key, value)
     store = TorchElasticEnvironment().process_group_store(timedelta(seconds=10))
     assert store is not None
-    store.set("rank_0", "address of this attempt")
-    # The previous attempt's key of the same name is not what this attempt reads.
-    server.set("rank_0", "a dead peer's address")
-    assert server.get("trainer_core/job7/attempt3/world1/rank_0") == b"address of this attempt"
-    assert store.get("rank_0") == b"address of this attempt"
+    store.set("rank_0", "address of this start")
+    server.set("rank_0", "a dead peer's address")  # an unscoped key of the same name is another key
+    scope = server.get("trainer_core/job7/world1/proposal").decode().partition("|")[0]
+    assert server.get(f"{scope}/rank_0") == b"address of this start"
+    assert store.get("rank_0") == b"address of this start"
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # RANK & co. set by hand: torch's own rendezvous
     assert TorchElasticEnvironment().process_group_store(timedelta(seconds=10)) is None
+
+
+def test_a_stop_signal_during_setup_ends_the_process_at_once(tmp_path: Path) -> None:
+    """Before the first training batch there is nothing new to save: SIGTERM does what it always does."""
+    script = tmp_path / "slow_setup.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, time
+            sys.path.insert(0, sys.argv[1])
+            from boring import BoringModel, quiet_trainer, random_loader
+
+            class SlowSetup(BoringModel):
+                def setup(self, stage):
+                    open("ready", "w").close()
+                    time.sleep(60)
+
+            quiet_trainer(max_steps=2).fit(SlowSetup(), random_loader(8, 4))
+            """
+        )
+    )
+    helpers = str(Path(__file__).resolve().parents[1] / "helpers")
+    proc = subprocess.Popen([sys.executable, str(script), helpers], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never reached setup"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_an_elastic_launch_may_run_on_fewer_nodes_than_num_nodes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -424,6 +424,7 @@ def test_ranks_agree_on_a_requeue_over_a_stop() -> None:
     assert handler.agreed(_TwoRanks([float(signal.SIGTERM), 0.01])) == signal.SIGTERM  # type: ignore[arg-type]
     # A requeue signal that comes after a stop on the same rank outranks it.
     handler = PreemptionHandler(environment=SLURMEnvironment(requeue_signal=signal.SIGUSR2))
+    handler.arm()
     handler._on_signal(signal.SIGTERM, None)
     handler._on_signal(signal.SIGUSR2, None)
     assert handler.received == signal.SIGUSR2 and signal.SIGUSR2 in handler.signals

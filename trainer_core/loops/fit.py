@@ -335,6 +335,8 @@ class FitLoop:
             several_ranks and automatic and acc > 1 and bool(t.plugin.mid_accumulation_gradients_unsaved)
         )
         agreed_signal: Optional[int] = None
+        if preemption is not None:
+            preemption.arm()
 
         iterator = self._start_epoch_iterator(loader, start)
         if profiler is not None:
