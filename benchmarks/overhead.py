@@ -17,6 +17,10 @@ Four modes, each changing one thing from ``off``:
 * ``simple`` ``Trainer(profiler="simple")``, the per-hook time table printed at the end (the plain
            loop runs as in ``off``). A second table puts each trainer's cost of profiling beside the
            other's: its ``simple`` run over its own ``off`` run of the same repeat.
+* ``watchdog`` trainer-core with ``HangWatchdog()`` (a beat in six hooks per step, a thread that
+           looks once a second); ``stragglers`` with ``StragglerMonitor()`` (one process: it takes
+           its hooks out of the loop). Lightning has neither and sits these out; the second table
+           shows their cost over trainer-core's own ``off`` run.
 
 trainer-core and Lightning train the *same* ``LightningModule`` source (``build_module_class``
 takes the framework's base class, so the import is the only difference) with checkpointing,
@@ -77,6 +81,7 @@ class Mode:
     logger: bool
     log_loss: bool
     profiler: str | None = None  # Trainer(profiler=...); the plain loop ignores it
+    callbacks: tuple[str, ...] = ()  # trainer-core's own callbacks, by class name; Lightning sits the mode out
 
 
 JOBS = {
@@ -88,6 +93,10 @@ MODES = {
     "bar": Mode("bar", progress_bar=True, logger=False, log_loss=False),
     "log": Mode("log", progress_bar=False, logger=True, log_loss=True),
     "simple": Mode("simple", progress_bar=False, logger=False, log_loss=False, profiler="simple"),
+    "watchdog": Mode("watchdog", progress_bar=False, logger=False, log_loss=False, callbacks=("HangWatchdog",)),
+    "stragglers": Mode(
+        "stragglers", progress_bar=False, logger=False, log_loss=False, callbacks=("StragglerMonitor",)
+    ),
 }
 # The modes the overhead target applies to; profiling is meant to cost something, and is reported apart.
 TARGET_MODES = ("off", "bar", "log")
@@ -255,6 +264,10 @@ def _trainer_kwargs(trainer_cls: type, job: Job, mode: Mode, out_dir: Path) -> d
         kwargs["logger"] = False
     if mode.profiler is not None:
         kwargs["profiler"] = mode.profiler
+    if mode.callbacks:
+        import trainer_core.callbacks as callbacks
+
+        kwargs["callbacks"] = [getattr(callbacks, name)() for name in mode.callbacks]
     if "enable_model_summary" in inspect.signature(trainer_cls).parameters:
         kwargs["enable_model_summary"] = False
     return kwargs
@@ -350,12 +363,17 @@ def _available_impls(wanted: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     return available, skipped
 
 
+def _runs_in(impl: str, mode: Mode) -> bool:
+    """Lightning has no callbacks of these kinds: it sits out the modes that add trainer-core's own."""
+    return not (mode.callbacks and impl == "lightning")
+
+
 def _prime(args: argparse.Namespace, impls: list[str], modes: list[Mode], failures: dict[str, str]) -> None:
     """One short untimed run per (implementation, mode): fills the bytecode and file-system caches,
     so that no implementation pays a first-ever compile of its lazily imported modules in a sample."""
     for mode in modes:
         for impl in impls:
-            if impl in failures:
+            if impl in failures or not _runs_in(impl, mode):
                 continue
             spec = {"job": "tiny", "steps": PRIME_STEPS, "mode": mode.name, "impl": impl, "cpu": args.pin_cpu}
             try:
@@ -376,7 +394,7 @@ def _measure(
         for job in jobs:
             for mode in modes:
                 for impl in common.rotated(impls, repeat):
-                    if impl in failures:
+                    if impl in failures or not _runs_in(impl, mode):
                         continue
                     spec = {
                         "job": job.name,
@@ -496,9 +514,9 @@ def _target(rows: list[dict], modes: list[Mode], skipped: dict[str, str], failur
 
 
 def _profiler_cost(samples: list[dict], impls: list[str], jobs: list[Job]) -> list[dict]:
-    """Each trainer's profiled runs over its own unprofiled runs, paired by repeat (medians of the ratios)."""
+    """Each trainer's profiled (or watched) runs over its own plain runs, paired by repeat (medians of the ratios)."""
     rows = []
-    profiled_modes = [m for m in MODES.values() if m.profiler is not None]
+    profiled_modes = [m for m in MODES.values() if m.profiler is not None or m.callbacks]
     for job in jobs:
         for mode in profiled_modes:
             for impl in impls:
@@ -537,7 +555,7 @@ def _print_profiler_cost(rows: list[dict]) -> None:
     table = [
         (
             r["job"],
-            f'profiler="{r["mode"]}"',
+            r["mode"] if r["mode"] in ("watchdog", "stragglers") else f'profiler="{r["mode"]}"',
             r["impl"],
             f"{r['run_ms']:.1f}",
             f"{r['run_ratio']:.2f}x",
@@ -557,7 +575,9 @@ def _print_profiler_cost(rows: list[dict]) -> None:
         "x own",
         "+us/step",
     )
-    print(f"cost of profiling (each trainer against its own `{PROFILER_BASE_MODE}` run, same repeat):")
+    print(
+        f"cost of profiling and of the watchdogs (each trainer against its own `{PROFILER_BASE_MODE}` run, same repeat):"
+    )
     print(common.format_table(headers, table))
 
 
