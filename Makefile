@@ -37,12 +37,14 @@ stress: $(VENV)/.installed-test
 		tests/checkpoint/test_lightning_checkpoint.py tests/loggers/test_mlflow.py tests/loggers/test_wandb.py \
 		tests/core/test_profiler.py tests/checkpoint/test_load_memory.py tests/checkpoint/test_compile.py \
 		tests/checkpoint/test_frozen_blobs.py tests/checkpoint/test_consolidate_stream.py \
-		tests/plugins/test_fsdp_gather.py $(PYTEST_ARGS)
+		tests/plugins/test_fsdp_gather.py tests/reliability/test_elastic.py tests/reliability/test_watchdog.py \
+		tests/reliability/test_slurm_requeue.py tests/callbacks/test_straggler.py \
+		tests/plugins/test_distributed.py::test_sharded_checkpoint_on_s3 $(PYTEST_ARGS)
 	CORPUS_LIVE=1 $(PY) -m pytest -p no:cacheprovider tests/corpus $(PYTEST_ARGS)
 
 # Every benchmark, each side by side with its baselines; BENCH_ARGS=--quick for a short run.
 BENCHMARKS ?= import_cost overhead checkpoint ddp consolidate fsdp_checkpoint optimizer_in_backward pipeline model_parallel \
-	load_memory object_store frozen_checkpoint
+	load_memory object_store frozen_checkpoint recovery
 bench: $(VENV)/.installed-bench
 	set -e; for b in $(BENCHMARKS); do $(PY) benchmarks/$$b.py $(BENCH_ARGS); done
 
