@@ -38,7 +38,8 @@ stress: $(VENV)/.installed-test
 		tests/core/test_profiler.py tests/checkpoint/test_load_memory.py tests/checkpoint/test_compile.py \
 		tests/checkpoint/test_frozen_blobs.py tests/checkpoint/test_consolidate_stream.py \
 		tests/plugins/test_fsdp_gather.py tests/reliability/test_elastic.py tests/reliability/test_watchdog.py \
-		tests/reliability/test_slurm_requeue.py tests/callbacks/test_straggler.py \
+		tests/reliability/test_slurm_requeue.py tests/callbacks/test_straggler.py tests/reliability/test_signals.py \
+		tests/reliability/test_ranks.py tests/plugins/test_distributed_resume.py \
 		tests/plugins/test_distributed.py::test_sharded_checkpoint_on_s3 $(PYTEST_ARGS)
 	CORPUS_LIVE=1 $(PY) -m pytest -p no:cacheprovider tests/corpus $(PYTEST_ARGS)
 

@@ -7,6 +7,7 @@ Split from test_distributed.py so that two test workers share the distributed te
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,15 @@ from dist_run import weights as _weights
 
 from trainer_core.checkpoint import KEY_STATE_DICT
 
+#: Cases whose code another case already runs in make test: ``make stress`` (FULL_MATRIX=1) runs them too.
+full_only = pytest.mark.skipif(os.environ.get("FULL_MATRIX") != "1", reason="FULL_MATRIX=1 (make stress)")
+
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("plugin", ["ddp", "ddp_spawn", "ddp_sharded", "fsdp_sharded"])
+# ddp_spawn trains with DDP's code; it starts its processes differently, which test_distributed.py covers.
+@pytest.mark.parametrize(
+    "plugin", ["ddp", pytest.param("ddp_spawn", marks=full_only), "ddp_sharded", "fsdp_sharded"]
+)
 def test_resume_at_the_same_world_size_is_exact(tmp_path: Path, plugin: str) -> None:
     common = ("--plugin", plugin, "--devices", "2", "--dropout", "0.3", "--shuffle")
     _run(tmp_path, "--out", "full", *common, "--ckpt-every-steps", "3")
@@ -39,7 +46,7 @@ def test_resume_at_the_same_world_size_is_exact(tmp_path: Path, plugin: str) -> 
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("plugin", ["fsdp", "fsdp_sharded"])
+@pytest.mark.parametrize("plugin", [pytest.param("fsdp", marks=full_only), "fsdp_sharded"])
 def test_fsdp_resumes_an_optimizer_without_tensor_state(tmp_path: Path, plugin: str) -> None:
     """SGD without momentum keeps no tensors: torch's loader cannot infer a device from its state."""
     common = ("--plugin", plugin, "--devices", "2", "--optimizer", "sgd", "--max-epochs", "1")
@@ -75,10 +82,11 @@ def _meter_in(ckpt: dict[str, Any]) -> dict[str, Any]:
 
 EXTRA_STATE_CASES = [
     # (saved by at 2 ranks, loaded by, ranks, payload)
-    ("fsdp", "fsdp", 3, "bytes"),
+    # make test: a sharded folder at another world size, and a full file into one process; both payloads.
+    pytest.param("fsdp", "fsdp", 3, "bytes", marks=full_only),
     ("fsdp_sharded", "fsdp_sharded", 3, "tensor"),
-    ("fsdp_sharded", "fsdp_sharded", 1, "bytes"),
-    ("ddp", "single_device", 1, "tensor"),
+    pytest.param("fsdp_sharded", "fsdp_sharded", 1, "bytes", marks=full_only),
+    ("ddp", "single_device", 1, "bytes"),
 ]
 
 

@@ -298,6 +298,22 @@ SHRINK_ARGS = (
 )
 
 
+def run_two_agents(folder: Path, run_id: str, fault: str) -> tuple[int, str]:
+    """Two agents of one worker each (node 1 hosts the rendezvous store) run the shrink job with ``fault``;
+    returns node 1's exit status and every agent's output."""
+    port = find_free_port()
+    agents = Agents(folder)
+    job = [JOB, "--out", str(folder), *SHRINK_ARGS, "--fault", fault]
+    try:
+        # Agent 2 first: it waits for agent 1's store and joins the first round the moment it exists.
+        agents.start([*_agent(port, False, run_id), *job], "node2")
+        first_agent = agents.start([*_agent(port, True, run_id), *job], "node1")
+        code = agents.wait(first_agent, time.monotonic() + 150)
+    finally:
+        agents.close()
+    return (-1 if code is None else code), agents.logs()
+
+
 @pytest.mark.timeout(180)
 def test_a_dead_node_leaves_the_other_training_alone_on_every_remaining_sample(tmp_path: Path) -> None:
     """Node 2 dies (its agent and worker SIGKILLed) after step 5 of the 8 steps of an epoch at world size 2.
@@ -309,17 +325,7 @@ def test_a_dead_node_leaves_the_other_training_alone_on_every_remaining_sample(t
     node 1 alone, and the worker resumes from the step-4 checkpoint at world size 1: 32 samples seen
     at two ranks, the other 32 at one, each of the 64 exactly once.
     """
-    port = find_free_port()
-    agents = Agents(tmp_path)
-    job = [JOB, "--out", str(tmp_path), *SHRINK_ARGS, "--fault", "node:@node2:5:once"]
-    try:
-        # Agent 2 first: it waits for agent 1's store and joins the first round the moment it exists.
-        agents.start([*_agent(port, False, "shrink"), *job], "node2")
-        first_agent = agents.start([*_agent(port, True, "shrink"), *job], "node1")
-        code = agents.wait(first_agent, time.monotonic() + 150)
-    finally:
-        agents.close()
-    logs = agents.logs()
+    code, logs = run_two_agents(tmp_path, "shrink", "node:@node2:5:once")
     assert code == 0, logs
     evs = events(tmp_path)
     (fault,) = first(evs, "fault")
@@ -344,16 +350,7 @@ def test_two_nodes_resume_together_after_one_nodes_worker_dies(tmp_path: Path) -
     Either way the ranks of the new start meet in one fresh store scope and agree that the job was
     restarted: both resume from the step-4 checkpoint and end with the uninterrupted run's weights.
     """
-    port = find_free_port()
-    agents = Agents(tmp_path)
-    job = [JOB, "--out", str(tmp_path), *SHRINK_ARGS, "--fault", "kill:@node2:5:once"]
-    try:
-        agents.start([*_agent(port, False, "counts"), *job], "node2")
-        first_agent = agents.start([*_agent(port, True, "counts"), *job], "node1")
-        code = agents.wait(first_agent, time.monotonic() + 150)
-    finally:
-        agents.close()
-    logs = agents.logs()
+    code, logs = run_two_agents(tmp_path, "counts", "kill:@node2:5:once")
     assert code == 0, logs
     evs = events(tmp_path)
     (fault,) = first(evs, "fault")

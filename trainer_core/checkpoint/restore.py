@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+import torch
+
 from trainer_core.checkpoint.format import (
     KEY_CALLBACKS,
     KEY_DATAMODULE,
@@ -193,8 +195,10 @@ def restore_module_and_callbacks(
         # The optimizer and scheduler states can only be checked once configure_optimizers has run: until
         # then the model's own weights are kept, to be put back if those checks refuse the file. (Plugins
         # whose weights are sharded restore after setup, with every check first, and keep no copy.)
+        # Extra state may be any object (TransformerEngine's is an io.BytesIO): copied as it is.
         pending.previous_weights = {
-            k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()
+            k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+            for k, v in module.state_dict().items()
         }
     plugin.load_model_state_dict(checkpoint[KEY_STATE_DICT], strict=strict)
     trainer.ckpt_path = path
