@@ -283,6 +283,12 @@ def test_advanced_profiler_reports_the_users_functions_per_action(tmp_path: Path
     assert (tmp_path / "fit-adv-run_training_epoch.prof").stat().st_size > 0
 
 
+@pytest.mark.skipif(
+    os.environ.get("FULL_MATRIX") != "1",
+    reason="FULL_MATRIX=1 (make stress): torch 2.13's profiler segfaults in stop() about one run in three on "
+    "this CPU build (in torch.autograd.profiler.__exit__), which would take the test worker down; "
+    "test_a_profiler_travels_to_spawned_ranks[pytorch] runs PyTorchProfiler in its own processes",
+)
 def test_pytorch_profiler_writes_its_table_and_chrome_traces(tmp_path: Path) -> None:
     profiler = PyTorchProfiler(dirpath=tmp_path, filename="perf")
     # Five training steps at least: the default schedule skips one, warms up one and records three.
