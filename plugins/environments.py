@@ -76,12 +76,6 @@ class ClusterEnvironment:
     def node_rank(self) -> int:
         raise NotImplementedError
 
-    def restart_count(self) -> int:
-        """How many times the launcher has restarted this job (0: the first attempt)."""
-        from trainer_core.utilities import launcher_restart_count
-
-        return launcher_restart_count()[1]
-
     def process_group_store(self, timeout: timedelta) -> Optional[Store]:
         """The store the process group meets in; ``None``: torch's own ``env://`` rendezvous."""
         return None
