@@ -323,17 +323,35 @@ class TrainingTypePlugin:
         gradients exist) and before the parameters change, as in Lightning.
         """
         trainer = self.trainer
-        assert trainer is not None
-        after = trainer.hook_runner.after_closure
-        if after is not None:
-            inner = closure
+        assert trainer is not None and self._lightning_module is not None
+        return self.precision.optimizer_step(
+            optimizer,
+            closure,
+            trainer.hook_runner.after_closure,
+            skip_without_loss=self._lightning_module.automatic_optimization,
+            **kwargs,
+        )
 
-            def closure() -> Any:
-                result = inner() if inner is not None else None
-                after(optimizer)
-                return result
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """The loss scaler of ``precision="16-mixed"``, made once the processes exist.
 
-        return self.precision.optimizer_step(optimizer, closure, **kwargs)
+        Torch's own: every rank holds all of its gradients (and data parallelism has already averaged
+        them), so each rank finds the same inf/NaN. Plugins whose ranks hold only part of the gradients
+        return :meth:`sharded_grad_scaler` instead.
+        """
+        return torch.amp.GradScaler(self.root_device.type)
+
+    def sharded_grad_scaler(self) -> torch.amp.GradScaler:
+        """A loss scaler that agrees over every rank whether any gradient is inf/NaN (one tiny all-reduce a step).
+
+        Torch's ``ShardedGradScaler``, on any device. fairscale's own (``fairscale.optim.grad_scaler``)
+        does the same but is built on ``torch.cuda.amp`` and turns itself off without CUDA.
+        """
+        if self.world_size == 1:
+            return TrainingTypePlugin.grad_scaler(self)
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(self.root_device.type)
 
     def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
         """Clip the gradients of ``optimizer``'s parameters, unscaled first under loss scaling."""

@@ -200,6 +200,10 @@ class FSDPPlugin(ParallelPlugin):
             return contextlib.nullcontext()
         return self._skip_gradient_sync()
 
+    def grad_scaler(self) -> Any:
+        # Each rank holds the gradient shards of its parameter shards: an inf shows on one rank only.
+        return self.sharded_grad_scaler()
+
     # ------------------------------------------------------------------ state
     def _options(self, full: bool) -> Any:
         from torch.distributed.checkpoint.state_dict import StateDictOptions

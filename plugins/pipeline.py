@@ -149,6 +149,8 @@ class PipelinePlugin(ParallelPlugin):
         self._dp_group: Any = None
         self._sync_grads = True
         self._loss_scale = 1.0
+        #: The loss scaler's scale during a training step under precision="16-mixed", else ``None``.
+        self._amp_scale: Optional[Tensor] = None
         self._accumulate = 1
         self._batch_sizes: dict[bool, int] = {}
 
@@ -258,11 +260,6 @@ class PipelinePlugin(ParallelPlugin):
         module = self._lightning_module
         assert module is not None
         _check_pipelined_module(module)
-        if self.precision.scaler is not None:
-            raise MisconfigurationException(
-                f"Trainer(precision={self.precision.name!r}) scales the loss, which the pipeline schedule's own "
-                "backward cannot; use '32-true' or 'bf16-mixed' with PipelinePlugin."
-            )
         self._check_layout()
         self._check_tensor_parallel(module)
         self.precision.convert_module(module)
@@ -360,7 +357,9 @@ class PipelinePlugin(ParallelPlugin):
     def _microbatch_loss(self, output: Tensor, target: Tensor) -> Tensor:
         module = self._lightning_module
         # Weighted by the micro-batch's share of the batch: the sum over micro-batches is the batch mean.
-        return module.loss_fn(output, target) * (target.shape[0] * self._loss_scale)  # type: ignore[union-attr]
+        loss = module.loss_fn(output, target) * (target.shape[0] * self._loss_scale)  # type: ignore[union-attr]
+        # precision="16-mixed": the schedule's backward starts from the scaled loss.
+        return loss if self._amp_scale is None else loss * self._amp_scale
 
     def setup_optimizers(self, trainer: Trainer) -> None:
         """One optimizer (and its schedulers) per model part, each from the module's own ``configure_optimizers``.
@@ -434,6 +433,10 @@ class PipelinePlugin(ParallelPlugin):
             return True
         return super().defines_step(name)
 
+    def grad_scaler(self) -> Any:
+        # Each stage holds its own parameters' gradients: an inf in one stage shows on its ranks only.
+        return self.sharded_grad_scaler()
+
     def forward_backward(self) -> Optional[Callable[[Any, int], Tensor]]:
         return self._train_batch
 
@@ -441,7 +444,18 @@ class PipelinePlugin(ParallelPlugin):
         """Forward and backward of one batch through the schedule; returns the batch loss on every rank."""
         args, target = self._split_batch(batch, training=True)
         losses: Optional[list[Tensor]] = [] if self.has_last_stage else None
-        self._schedule.step(*args, target=target, losses=losses)
+        scaler = self.precision.scaler
+        if scaler is None:
+            self._schedule.step(*args, target=target, losses=losses)
+        else:
+            # Every rank, with a last stage or not, starts the scaler (its scale tensor) for this step.
+            self._amp_scale = scaler.scale(torch.ones((), device=self.root_device))
+            try:
+                self._schedule.step(*args, target=target, losses=losses)
+            finally:
+                self._amp_scale, scale = None, self._amp_scale
+            if losses:
+                losses = [item / scale for item in losses]
         if self._dp_group is not None and self._sync_grads:
             self._average_gradients()
         loss = self._reported_loss(losses)
@@ -531,6 +545,7 @@ class PipelinePlugin(ParallelPlugin):
 
     def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
         """By value: per parameter. By norm: the norm over every stage (an all-reduce over the pipeline)."""
+        self.precision.unscale_gradients(optimizer)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if algorithm != "norm":
             for grad in grads:

@@ -49,7 +49,9 @@ class DDPShardedPlugin(DDPPlugin):
             optimizer = OSS(
                 params=optimizer.param_groups, optim=type(optimizer), **optimizer_defaults(optimizer)
             )
-            optimizer.broadcast_fp16 = self.precision.name == "16-mixed"
+            # Never float16 broadcasts (Lightning sets them under 16-mixed): OSS rounds the owner's own
+            # weights through the float16 bucket too, so the float32 master weights become float16 ones.
+            optimizer.broadcast_fp16 = False
         if self._ddp_kwargs.get("reduce_buffer_size", 0) > 0:
             _zero_grads_in_place(optimizer)
         return optimizer
@@ -63,6 +65,10 @@ class DDPShardedPlugin(DDPPlugin):
         # buffers that any `zero_grad(set_to_none=True)` (torch's default) silently detaches.
         kwargs = {"reduce_buffer_size": 0, **self._ddp_kwargs}
         return ShardedDataParallel(_StepRouter(module), sharded_optimizer=self.optimizers, **kwargs)
+
+    def grad_scaler(self) -> Any:
+        # Each gradient is reduced to the rank that owns it: only that rank can see its inf.
+        return self.sharded_grad_scaler()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         from fairscale.nn.data_parallel import ShardedDataParallel

@@ -108,6 +108,7 @@ class Trainer:
         self.num_nodes = num_nodes
         self.devices = devices
         self.plugin.precision = Precision(precision, self.plugin.root_device.type)
+        self.plugin.precision.check_device(self.plugin.root_device)
 
         self.fast_dev_run: Union[bool, int] = fast_dev_run
         n_dev = 0
@@ -456,6 +457,9 @@ class Trainer:
         # Each run starts with no metrics: after `test`, `callback_metrics` holds what the test logged (Lightning's rule).
         self.metrics.clear()
         self.plugin.setup(self)
+        if stage == "fit":
+            self.plugin.precision.setup(self.plugin.grad_scaler)
+            self.plugin.precision.check_optimizers(self.plugin.optimizers)
         self.lightning_optimizers = [LightningOptimizer(opt, self.plugin) for opt in self.plugin.optimizers]
         if not module.automatic_optimization:
             for lopt in self.lightning_optimizers:
@@ -531,7 +535,7 @@ class Trainer:
                 "whole model at once (their total norm), which stepping in backward never holds. Drop "
                 "gradient_clip_val or use optimizer_in_backward=False."
             )
-        if self.plugin.precision.scaler is not None:
+        if self.plugin.precision.scales_loss:
             raise MisconfigurationException(
                 f"Trainer(optimizer_in_backward=True) with precision={self.plugin.precision.name!r}: a loss "
                 "scaler must check every gradient for inf/NaN before any parameter steps. Use 'bf16-mixed' or "

@@ -140,6 +140,7 @@ def test_inspect_single_file(single_file: tuple[Path, Trainer]) -> None:
         "name": trainer.plugin.name,
         "world_size": 1,
         "layout": {"pipeline_parallel": 1, "data_parallel": 1, "tensor_parallel": 1},
+        "precision": "32-true",
     }
     assert report["sharded"] is False and report["shard_files"] is None
     assert report["resumable"] is True
@@ -170,6 +171,7 @@ def test_inspect_sharded_folder(sharded_folder: Path) -> None:
         "name": "fsdp",
         "world_size": 2,
         "layout": {"pipeline_parallel": 1, "data_parallel": 2, "tensor_parallel": 1},
+        "precision": "32-true",
     }
     assert report["sharded"] is True
     assert report["shard_files"] == len(list(sharded_folder.glob("*.distcp"))) == 2
@@ -205,6 +207,7 @@ def test_consolidate_writes_a_file_any_plugin_resumes(sharded_folder: Path, tmp_
         "name": "fsdp",
         "world_size": 2,
         "layout": {"pipeline_parallel": 1, "data_parallel": 2, "tensor_parallel": 1},
+        "precision": "32-true",
     }  # where it came from
     for part in ("state_dict", "optimizer_states"):
         expected, written = _tensors(folder[part]), _tensors(single[part])

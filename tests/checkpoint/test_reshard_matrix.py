@@ -466,6 +466,7 @@ def test_inspect_and_consolidate_a_sharded_folder(matrix: Matrix, layout: str) -
         "name": "model_parallel",
         "world_size": LAYOUTS[layout][0],
         "layout": {"pipeline_parallel": pp, "data_parallel": dp, "tensor_parallel": tp},
+        "precision": "32-true",
     }
     assert report["sharded"] and report["shard_files"] >= 1 and report["resumable"]
     assert report["parameter_names"] == n_params

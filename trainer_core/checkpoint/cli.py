@@ -43,6 +43,7 @@ from trainer_core.checkpoint.format import (
     KEY_VERSION,
     PLUGIN_LAYOUT,
     PLUGIN_NAME,
+    PLUGIN_PRECISION,
     PLUGIN_WORLD_SIZE,
     RESUME_KEYS,
 )
@@ -139,6 +140,7 @@ def summarize(checkpoint: Mapping[str, Any], path: str, shard_files: Optional[in
             "name": plugin.get(PLUGIN_NAME),
             "world_size": plugin.get(PLUGIN_WORLD_SIZE),
             "layout": dict(plugin[PLUGIN_LAYOUT]) if isinstance(plugin.get(PLUGIN_LAYOUT), Mapping) else None,
+            "precision": plugin.get(PLUGIN_PRECISION),
         },
         "sharded": shard_files is not None,
         "shard_files": shard_files,

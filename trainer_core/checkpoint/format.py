@@ -52,6 +52,8 @@ PLUGIN_NAME = "name"
 PLUGIN_WORLD_SIZE = "world_size"
 #: ``{"pipeline_parallel": pp, "data_parallel": dp, "tensor_parallel": tp}`` of the writing run (older checkpoints lack it).
 PLUGIN_LAYOUT = "layout"
+#: The writing run's ``Trainer(precision=...)`` (``"16-mixed"``, ...; older checkpoints lack it).
+PLUGIN_PRECISION = "precision"
 KEY_DATAMODULE = "datamodule"
 KEY_RNG_PER_RANK = "rng_states_per_rank"  # every rank's generators (rank 0's are also under KEY_RNG)
 #: What marks a PyTorch Lightning checkpoint: readers return one as it is, and the code that loads it

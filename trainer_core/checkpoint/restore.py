@@ -24,6 +24,7 @@ from trainer_core.checkpoint.format import (
     KEY_LOOPS,
     KEY_LR_SCHEDULERS,
     KEY_OPTIMIZER_STATES,
+    KEY_PLUGIN,
     KEY_PRECISION,
     KEY_RNG,
     KEY_RNG_PER_RANK,
@@ -33,6 +34,7 @@ from trainer_core.checkpoint.format import (
     LOOP_GRADS,
     LOOP_PENDING_PLATEAU,
     LOOP_PER_RANK,
+    PLUGIN_PRECISION,
     check_state_dict_matches,
     validate_checkpoint,
 )
@@ -50,6 +52,7 @@ from trainer_core.checkpoint.optimizer import (
 from trainer_core.checkpoint.save import data_replicas, loader_batch_size
 from trainer_core.errors import CheckpointError, MisconfigurationException
 from trainer_core.optim import rebase_learning_rates
+from trainer_core.precision import Precision, describe_change
 from trainer_core.utilities import rank_zero_info, rank_zero_warn
 from trainer_core.utilities.compile import (
     module_state_dict,
@@ -249,8 +252,19 @@ def restore_training_state(trainer: Trainer, pending: PendingRestore) -> None:
         if regrouped:
             rebase_learning_rates(config.scheduler)
     _take_pending_plateau_steps(trainer, checkpoint[KEY_LOOPS])
-    plugin.precision.load_state_dict(checkpoint.get(KEY_PRECISION, {}))
+    _restore_precision(plugin.precision, checkpoint)
     _restore_loops(trainer, checkpoint)
+
+
+def _restore_precision(precision: Precision, checkpoint: dict[str, Any]) -> None:
+    """The loss scaler's state, and a note when the checkpoint was written under another precision."""
+    scaler_state = checkpoint.get(KEY_PRECISION) or {}
+    writer = checkpoint.get(KEY_PLUGIN)
+    saved = writer.get(PLUGIN_PRECISION) if isinstance(writer, dict) else None
+    note = describe_change(saved, precision.name, scaler_state)
+    if note is not None:
+        rank_zero_warn(note)
+    precision.load_state_dict(scaler_state)
 
 
 def _check_optimizer_names(module: LightningModule, saved: list[dict[str, Any]], path: str) -> None:

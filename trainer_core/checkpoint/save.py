@@ -42,6 +42,7 @@ from trainer_core.checkpoint.format import (
     LOOP_WORLD_SIZE,
     PLUGIN_LAYOUT,
     PLUGIN_NAME,
+    PLUGIN_PRECISION,
     PLUGIN_WORLD_SIZE,
 )
 from trainer_core.checkpoint.rng import collect_rng_states
@@ -187,6 +188,7 @@ def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, A
             PLUGIN_NAME: plugin.name,
             PLUGIN_WORLD_SIZE: plugin.world_size,
             PLUGIN_LAYOUT: plugin.layout(),
+            PLUGIN_PRECISION: plugin.precision.name,
         },
     }
     frozen = frozen_parameter_names(module, checkpoint[KEY_STATE_DICT])

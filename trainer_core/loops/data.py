@@ -133,7 +133,22 @@ def _transfer(trainer: Trainer, hooks: tuple[Any, Any, Any], batch: Any, dataloa
 
 
 def batch_mover(trainer: Trainer) -> Optional[Callable[[Any, int], Any]]:
-    """How a batch reaches the device: the user's hooks, the plugin, or (on the CPU) not at all."""
+    """How a batch reaches the device: the user's hooks, the plugin, or (on the CPU) not at all.
+
+    Under ``"bf16-true"``, ``"16-true"`` and ``"64-true"`` its floating tensors are first converted to the
+    weights' dtype (before ``on_before_batch_transfer``, as in Lightning).
+    """
+    move = _device_mover(trainer)
+    precision = trainer.plugin.precision
+    if precision.input_dtype is None:
+        return move
+    convert = precision.convert_input
+    if move is None:
+        return lambda batch, idx: convert(batch)
+    return lambda batch, idx: move(convert(batch), idx)
+
+
+def _device_mover(trainer: Trainer) -> Optional[Callable[[Any, int], Any]]:
     hooks = trainer.hook_runner.batch.batch_transfer
     if hooks:
         return lambda batch, idx: _transfer(trainer, hooks, batch, idx)

@@ -108,7 +108,7 @@ class TrainingStep:
             self.training_step = step_caller(trainer, "training_step", module.training_step)
         self.plain_backward = (
             type(plugin).backward is TrainingTypePlugin.backward
-            and precision.scaler is None
+            and not precision.scales_loss
             and not hooks.on_before_backward
             and not hooks.on_after_backward
             and not is_overridden("backward", module, LightningModule)
@@ -119,7 +119,7 @@ class TrainingStep:
         direct = (
             not hooks.optimizer_step
             and type(plugin).optimizer_step is TrainingTypePlugin.optimizer_step
-            and precision.scaler is None
+            and not precision.scales_loss
             and type(optimizer).__module__.startswith("torch.optim.")
             and not isinstance(optimizer, torch.optim.LBFGS)
         )
