@@ -40,7 +40,8 @@ stress: $(VENV)/.installed-test
 		tests/plugins/test_fsdp_gather.py tests/reliability/test_elastic.py tests/reliability/test_watchdog.py \
 		tests/reliability/test_slurm_requeue.py tests/callbacks/test_straggler.py tests/reliability/test_signals.py \
 		tests/reliability/test_ranks.py tests/plugins/test_distributed_resume.py \
-		tests/plugins/test_distributed.py::test_sharded_checkpoint_on_s3 $(PYTEST_ARGS)
+		tests/plugins/test_distributed.py::test_sharded_checkpoint_on_s3 tests/plugins/test_precision_distributed.py \
+		tests/core/test_several_optimizers.py $(PYTEST_ARGS)
 	CORPUS_LIVE=1 $(PY) -m pytest -p no:cacheprovider tests/corpus $(PYTEST_ARGS)
 
 # Every benchmark, each side by side with its baselines; BENCH_ARGS=--quick for a short run.

@@ -54,6 +54,8 @@ _REDUCE_FX: dict[Any, str] = {
     torch.max: "max",
     torch.min: "min",
 }
+#: Logged values in these dtypes are reduced in float32: a float16 epoch mean would round every partial sum.
+_LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
 
 
 class LoggedMetric:
@@ -306,6 +308,9 @@ class ResultCollection:
                 raise MisconfigurationException(
                     f"self.log({name!r}, ...) in `{fx}` got a tensor of shape {tuple(value.shape)}; log a scalar."
                 )
+            if value.dtype in _LOW_PRECISION:
+                # Reduced and accumulated in float32 at least (bf16-true, 16-true), as in Lightning.
+                value = value.float()
         elif not isinstance(value, (int, float)):
             raise MisconfigurationException(
                 f"self.log({name!r}, value) in `{fx}` got a {type(value).__name__} where this epoch logged numbers "

@@ -55,7 +55,8 @@ def _module(framework: Any = trainer_core, inf_step: Optional[int] = None) -> An
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:
             self.seen.append(batch[0].dtype)
-            self.log("val_loss", F.mse_loss(self(batch[0]).float(), batch[1].float()))
+            # In the batch's dtype: a bfloat16 loss under bf16-true (its epoch mean is Lightning's, in float32).
+            self.log("val_loss", F.mse_loss(self(batch[0]), batch[1]))
 
         def on_before_optimizer_step(self, optimizer: Any) -> None:
             self.grads_seen.append(_flat_grads(self))
@@ -160,9 +161,12 @@ def test_true_precisions_leave_integer_inputs_alone() -> None:
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
 def test_bf16_trains_as_lightning_does(precision: str) -> None:
     pl = pytest.importorskip("pytorch_lightning")
-    ours, _ = _fit(precision)
-    theirs, _ = _fit(precision, framework=pl)
+    ours, trainer = _fit(precision, limit_val_batches=3, val_check_interval=STEPS)
+    theirs, their_trainer = _fit(precision, framework=pl, limit_val_batches=3, val_check_interval=STEPS)
     _assert_same_weights(ours, theirs)
+    # The epoch mean of bfloat16 losses is taken in float32, as Lightning takes it.
+    assert trainer.callback_metrics["val_loss"].dtype == torch.float32
+    assert float(trainer.callback_metrics["val_loss"]) == float(their_trainer.callback_metrics["val_loss"])
 
 
 # ---------------------------------------------------------------------- loss scaling

@@ -134,6 +134,9 @@ def instrument(trainer_cls: type, record: list[dict[str, Any]], weights: list[di
                 kwargs[key] = limit
         kwargs["accelerator"] = "cpu"
         kwargs["devices"] = 1
+        if os.environ.get("CORPUS_PRECISION"):
+            # The same program at another precision, for both frameworks alike.
+            kwargs["precision"] = os.environ["CORPUS_PRECISION"]
         epochs = kwargs.get("max_epochs")
         kwargs["max_epochs"] = MAX_EPOCHS if epochs is None or epochs < 0 else min(epochs, MAX_EPOCHS)
         original_init(self, *args, **kwargs)
