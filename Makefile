@@ -45,7 +45,7 @@ stress: $(VENV)/.installed-test
 	CORPUS_LIVE=1 $(PY) -m pytest -p no:cacheprovider tests/corpus $(PYTEST_ARGS)
 
 # Every benchmark, each side by side with its baselines; BENCH_ARGS=--quick for a short run.
-BENCHMARKS ?= import_cost overhead checkpoint ddp consolidate fsdp_checkpoint optimizer_in_backward pipeline model_parallel \
+BENCHMARKS ?= import_cost overhead checkpoint ddp consolidate fsdp_checkpoint optimizer_in_backward pipeline model_parallel precision \
 	load_memory object_store frozen_checkpoint recovery
 bench: $(VENV)/.installed-bench
 	set -e; for b in $(BENCHMARKS); do $(PY) benchmarks/$$b.py $(BENCH_ARGS); done

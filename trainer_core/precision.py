@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
+from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
 from trainer_core.errors import MisconfigurationException
@@ -154,8 +155,6 @@ class Precision:
         scaler = self.scaler
         if scaler is None:
             return
-        from torch.amp.grad_scaler import OptState
-
         if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
             scaler.unscale_(optimizer)
 

@@ -95,10 +95,14 @@ PROGRAMS: list[Any] = [
 ]
 
 
-def run(framework: str, program: str, args: list[str], workdir: Path) -> list[dict[str, Any]]:
+def run(
+    framework: str, program: str, args: list[str], workdir: Path, precision: str = ""
+) -> list[dict[str, Any]]:
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "out"
     env = {**job_env(), "PYTHONPATH": str(HERE.parents[1]), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    if precision:
+        env["CORPUS_PRECISION"] = precision
     done = subprocess.run(
         [sys.executable, str(HERE / "run_program.py"), framework, program, str(out), *args],
         cwd=workdir,
@@ -155,4 +159,19 @@ def test_program_matches_lightning(name: str, program: str, args: list[str], tmp
         )
         theirs = json.loads(reference.read_text())
     assert ours, "the program called no Trainer entry point"
+    assert_same_record(ours, theirs)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not LIVE, reason="with CORPUS_LIVE=1 (make stress): runs Lightning beside trainer-core")
+@pytest.mark.parametrize(
+    ("name", "precision"),
+    [("autoencoder", "bf16-mixed"), ("transformer", "bf16-mixed"), ("transformer", "bf16-true")],
+)
+def test_program_at_a_precision_matches_lightning(name: str, precision: str, tmp_path: Path) -> None:
+    """The same program with ``Trainer(precision=...)`` gives Lightning's numbers (16-mixed: Lightning
+    trains bf16 on the CPU instead, so there is nothing to compare it with here)."""
+    program, args = next((p[1], p[2]) for p in PROGRAMS if p[0] == name)
+    ours = run("trainer_core", program, args, tmp_path / "trainer_core", precision)
+    theirs = run("lightning", program, args, tmp_path / "lightning", precision)
     assert_same_record(ours, theirs)
