@@ -78,6 +78,11 @@ class TrainingTypePlugin:
         #: The Trainer this plugin runs for: set by the Trainer before it launches the processes.
         self.trainer: Optional[Trainer] = None
 
+    @property
+    def precision_plugin(self) -> Precision:
+        """Lightning's name for :attr:`precision` (``trainer.strategy.precision_plugin``)."""
+        return self.precision
+
     @classmethod
     def _wrapper_arguments(cls) -> tuple[str, list[str]]:
         """The wrapper this plugin passes its extra keyword arguments to, and the names it takes; none here."""

@@ -77,6 +77,11 @@ class Precision:
         self.input_dtype: Optional[torch.dtype] = _TRUE_DTYPES.get(self.name)
 
     @property
+    def precision(self) -> str:
+        """Lightning's attribute for the name (``trainer.precision_plugin.precision``)."""
+        return self.name
+
+    @property
     def scales_loss(self) -> bool:
         return self.name == "16-mixed"
 

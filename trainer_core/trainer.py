@@ -659,6 +659,11 @@ class Trainer:
         return self.plugin.precision.name
 
     @property
+    def precision_plugin(self) -> Precision:
+        """Lightning's name for the run's precision object (``trainer.precision_plugin.scaler``)."""
+        return self.plugin.precision
+
+    @property
     def model(self) -> Optional[nn.Module]:
         return self.plugin.model
 

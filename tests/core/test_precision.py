@@ -177,6 +177,9 @@ def test_16_mixed_matches_a_hand_written_loop_with_a_grad_scaler() -> None:
     _assert_same_weights(model, reference)
     # float16 also overflows by itself at the first scale (65536): those steps are skipped too, in both.
     assert trainer.strategy.precision.scaler.get_scale() == scales[-1] < 2.0**15
+    # Lightning's names for it.
+    assert trainer.precision_plugin.scaler is trainer.strategy.precision.scaler
+    assert trainer.precision_plugin.precision == "16-mixed"
     # on_before_optimizer_step sees the gradients at their true scale (Lightning's order).
     for seen, expected in zip(model.grads_seen, grads):
         torch.testing.assert_close(seen, expected, rtol=0, atol=0, equal_nan=True)
