@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: demo test bench lint clean stress
+.PHONY: demo test bench lint clean stress test-gpu
 
 $(VENV)/.installed-%: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,16 @@ stress: $(VENV)/.installed-test
 		tests/plugins/test_distributed.py::test_sharded_checkpoint_on_s3 tests/plugins/test_precision_distributed.py \
 		tests/core/test_several_optimizers.py $(PYTEST_ARGS)
 	CORPUS_LIVE=1 $(PY) -m pytest -p no:cacheprovider tests/corpus $(PYTEST_ARGS)
+	PYTHON=$(PY) python3 scripts/gpu_suite.py --cpu-dry-run
+
+# The GPU suite (tests/gpu/): nccl DDP, FSDP2 under bf16-mixed, model parallel, pipeline, pinned async
+# checkpoints, CUDA RNG in exact resume, 16-mixed with the sharded scaler, two GPUs where present; each
+# against one device. Under 8 minutes (a hard limit); the report goes to bench_results/gpu_report.md.
+# Nothing is installed or downloaded (GPU machines may be offline): PYTHON=... picks a Python with a CUDA
+# torch (default .venv/bin/python, else python3). Without CUDA it says so and every test skips;
+# GPU_SUITE_ARGS=--cpu-dry-run runs the same tests on the CPU (make stress does).
+test-gpu:
+	python3 scripts/gpu_suite.py $(GPU_SUITE_ARGS)
 
 # Every benchmark, each side by side with its baselines; BENCH_ARGS=--quick for a short run.
 BENCHMARKS ?= import_cost overhead checkpoint ddp consolidate fsdp_checkpoint optimizer_in_backward pipeline model_parallel precision \
