@@ -20,6 +20,10 @@ import pytest
 from launch import LAUNCH_VARS
 from s3_server import S3Server, run_s3_server
 
+#: What ``seed_everything`` leaves in the environment: a program a later test starts (a LightningCLI
+#: program seeds itself from PL_GLOBAL_SEED) would otherwise take an earlier test's seed.
+_SEED_VARS = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
 
 @pytest.fixture(autouse=True)
 def no_launch_variables_leak() -> Iterator[None]:
@@ -27,8 +31,10 @@ def no_launch_variables_leak() -> Iterator[None]:
 
     A later job started from this worker would inherit them and try to rendezvous on a port an object
     of the earlier run may still hold (CI saw EADDRINUSE in a 2-rank job started by a module fixture).
+    The seed ``seed_everything`` exports ends with the test too (CI saw a LightningCLI program seeded
+    with another test's seed).
     """
-    before = {name: os.environ.get(name) for name in LAUNCH_VARS}
+    before = {name: os.environ.get(name) for name in (*LAUNCH_VARS, *_SEED_VARS)}
     yield
     for name, value in before.items():
         if value is None:
