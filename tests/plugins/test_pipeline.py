@@ -9,6 +9,7 @@ checkpoints that load at any other pipeline degree.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ from trainer_core.plugins.io import DistributedCheckpointIO, TorchCheckpointIO
 JOB = str(JOBS / "pipeline_job.py")
 STEPS = 16  # two epochs of 8 batches, validation after each
 LOSS_TOL = 1e-5
+FULL = os.environ.get("FULL_MATRIX") == "1"
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -136,7 +138,8 @@ def test_resume_across_pipeline_degrees(tmp_path: Path, reference: dict[str, Any
     """pp 1 -> pp 2 -> pp 4 -> pp 2 with two parts per rank -> pp 1, each leg continuing the same run.
 
     The first two checkpoints are single files (gathered to rank 0), the last two sharded folders
-    (DistributedCheckpointIO: every rank writes, and reads, only the layers it holds).
+    (DistributedCheckpointIO: every rank writes, and reads, only the layers it holds). ``make test``
+    leaves out the 4-rank leg (25 s; FULL_MATRIX=1 runs it): pp 2 then hands its file to two parts per rank.
     """
     legs = [
         ("pp2", ["--schedule", "1F1B", "--split", "layers.3", "--devices", "2"], 8),
@@ -153,6 +156,8 @@ def test_resume_across_pipeline_degrees(tmp_path: Path, reference: dict[str, Any
         ),
         ("pp1", ["--plugin", "single_device", "--sharded"], STEPS),
     ]
+    if not FULL:
+        legs = [leg for leg in legs if leg[0] != "pp4"]
     ckpt = reference["ckpt"]
     start = 4
     for name, args, stop in legs:
