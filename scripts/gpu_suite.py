@@ -305,6 +305,10 @@ def main() -> int:
         if stale.exists():
             stale.unlink()
 
+    if os.sep in args.python:
+        # A path given relative to where the command runs (PYTHON=.venv/bin/python); the tests run from
+        # other folders.
+        args.python = os.path.abspath(args.python)
     info = probe(args.python)
     smi = nvidia_smi()
     count = int(info.get("device_count") or 0)
