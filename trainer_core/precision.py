@@ -72,7 +72,6 @@ class Precision:
         self.device_type = device_type
         #: The loss scaler (``"16-mixed"`` only), made by the plugin once its processes exist (:meth:`setup`).
         self.scaler: Optional[torch.amp.GradScaler] = None
-        self._pending_scaler_state: Optional[dict[str, Any]] = None
         #: Floating inputs are converted to this dtype before the transfer hooks (``*-true`` but 32).
         self.input_dtype: Optional[torch.dtype] = _TRUE_DTYPES.get(self.name)
 
@@ -114,9 +113,6 @@ class Precision:
         if not self.scales_loss or self.scaler is not None:
             return
         self.scaler = make_scaler()
-        if self._pending_scaler_state is not None:
-            self.scaler.load_state_dict(self._pending_scaler_state)
-            self._pending_scaler_state = None
 
     def check_optimizers(self, optimizers: list[Optimizer]) -> None:
         """Refuse, before the first step, an optimizer loss scaling cannot drive."""
@@ -208,16 +204,9 @@ class Precision:
         return self.scaler.state_dict() if self.scaler is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state or not self.scales_loss:
-            return
-        if self.scaler is None:
-            self._pending_scaler_state = dict(state)
-        else:
+        # Called once the plugin's setup made the scaler (restore_training_state).
+        if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
-
-    def __getstate__(self) -> dict[str, Any]:
-        # A spawned rank makes its own scaler (its process group differs from the parent's).
-        return {**self.__dict__, "scaler": None}
 
 
 def _unwrapped(optimizers: list[Optimizer]) -> Iterator[Optimizer]:
@@ -227,7 +216,7 @@ def _unwrapped(optimizers: list[Optimizer]) -> Iterator[Optimizer]:
         if isinstance(inner, (list, tuple)):
             yield from _unwrapped(list(inner))
             continue
-        yield getattr(opt, "optim", opt) if not isinstance(opt, torch.optim.LBFGS) else opt
+        yield getattr(opt, "optim", opt)  # fairscale OSS and ZeroRedundancyOptimizer hold the real one there
 
 
 @contextlib.contextmanager
