@@ -4,7 +4,8 @@ The sharded folder is a real checkpoint (a 1-process fit of a module with buffer
 dtype and a tied weight) written by :class:`DistributedCheckpointIO`. The streamed output is
 compared byte for byte with ``torch.save`` of the folder read whole (what ``consolidate`` wrote
 before it streamed), read back with ``torch.load(weights_only=True)``, resumed by a fit, written
-to and from ``s3://`` (moto) and ``memory://``; a failure mid-way leaves the previous output. The
+to and from ``s3://`` (moto) and ``memory://``; a failure mid-way leaves the previous output, and
+``--force`` replaces the file OUT only (a link named OUT as a link, its target untouched). The
 memory test consolidates 8 x 25 MiB in a subprocess and bounds its peak by the largest tensor.
 """
 
@@ -155,6 +156,26 @@ def test_a_failure_mid_way_keeps_the_previous_output(sharded: Path, tmp_path: Pa
     with pytest.raises(CheckpointError, match="No space left"):
         consolidate(sharded, remote, force=True, storage_options={"fail_write_after": 4096})
     assert (tmp_path / "remote.ckpt").read_bytes() == b"previous object"
+
+
+def test_force_replaces_the_file_out_and_nothing_else(sharded: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "target.ckpt").write_bytes(b"another run's checkpoint")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "notes.txt").write_text("the run's notes")
+    (runs / "shared").symlink_to(outside, target_is_directory=True)
+    out = runs / "out.ckpt"
+    out.symlink_to(outside / "target.ckpt")  # a link named OUT: replaced as a link, never written through
+
+    assert main(["consolidate", str(sharded), "--force", str(out)]) == 0
+    assert not out.is_symlink() and out.read_bytes() == _read_whole_and_save(sharded)
+    assert sorted(p.name for p in runs.iterdir()) == ["notes.txt", "out.ckpt", "shared"]
+    assert (runs / "notes.txt").read_text() == "the run's notes"
+    assert os.readlink(runs / "shared") == str(outside)
+    assert sorted(p.name for p in outside.iterdir()) == ["target.ckpt"]
+    assert (outside / "target.ckpt").read_bytes() == b"another run's checkpoint"
 
 
 _MEASURE = textwrap.dedent(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import posixpath
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
@@ -48,7 +49,7 @@ from trainer_core.checkpoint.format import (
     RESUME_KEYS,
 )
 from trainer_core.errors import CheckpointError
-from trainer_core.paths import PathLike, resolve
+from trainer_core.paths import PathLike, is_local, resolve
 
 PROG = "python -m trainer_core.checkpoint"
 #: Exit status for every input the user must fix (argparse uses the same for bad arguments).
@@ -279,7 +280,9 @@ def consolidate(
     not the checkpoint. The file is what ``torch.save`` of the whole checkpoint writes, byte for
     byte. ``out`` is published atomically (a temporary renamed over it; on object stores an upload
     published whole, then its commit marker): an interrupted run leaves any previous ``out`` as
-    it was. Returns :func:`summarize`'s report of what was written.
+    it was. ``force``: replace the file ``out`` if it exists (a link named ``out`` is replaced as a
+    link, its target untouched). An ``out`` inside ``sharded_dir`` (or that is it, or holds it) is
+    refused before anything is written. Returns :func:`summarize`'s report of what was written.
     """
     from trainer_core.checkpoint.format import encode_byte_payloads
     from trainer_core.checkpoint.stream import ShardedSource, iter_lazy_tensors, publish_file, write_torch_zip
@@ -291,7 +294,7 @@ def consolidate(
         raise CheckpointError(
             f"{src} is a single-file checkpoint already; there is nothing to consolidate (copy it instead)."
         )
-    _check_output(dst, options, force, folder=False)
+    _check_output(src, dst, options, force, folder=False)
     source = ShardedSource(src, options)
     checkpoint = encode_byte_payloads(source.checkpoint())
     total = sum(t.nbytes for t in iter_lazy_tensors(checkpoint))
@@ -328,7 +331,12 @@ def consolidate_safetensors(
     the bare network that Hugging Face users load into, and leaves out the tensors outside that
     prefix (the LightningModule's own, e.g. a loss's weights), which it reports. Non-tensor
     entries (a module's extra state) cannot be stored in safetensors and are reported as skipped.
-    See :func:`trainer_core.checkpoint.safetensors.save_safetensors` for the layout and publishing.
+    ``force``: write into ``out_dir`` if it exists, replacing only the files this writes there
+    (``model.safetensors``, ``model-NNNNN-of-NNNNN.safetensors``, ``model.safetensors.index.json``)
+    and removing those of a previous write that this one does not rewrite; every other file in it
+    stays. An ``out_dir`` that holds ``src`` (or is it, or is inside it) is refused before anything is
+    written. See :func:`trainer_core.checkpoint.safetensors.save_safetensors` for the layout and
+    publishing.
     """
     import contextlib
 
@@ -338,7 +346,7 @@ def consolidate_safetensors(
     src_url, dst = os.fspath(src), os.fspath(out_dir)
     limit = None if max_shard_size is None else parse_size(max_shard_size)
     fs, fs_path = _open(src_url, options)
-    _check_output(dst, options, force, folder=True)
+    _check_output(src_url, dst, options, force, folder=True)
     with contextlib.ExitStack() as stack:
         if fs.isdir(fs_path):
             weights, skipped, shard_files = _sharded_weights(src_url, options)
@@ -378,7 +386,10 @@ def consolidate_safetensors(
     }
 
 
-def _check_output(dst: str, options: dict[str, Any], force: bool, folder: bool) -> None:
+def _check_output(src: str, dst: str, options: dict[str, Any], force: bool, folder: bool) -> None:
+    """Refuse, before anything is written, an output that is, holds or lies inside ``src``, or exists
+    without ``force``."""
+    _check_apart(src, dst, options)
     out_fs, out_path = resolve(dst, **options)
     if not out_fs.exists(out_path):
         return
@@ -388,8 +399,47 @@ def _check_output(dst: str, options: dict[str, Any], force: bool, folder: bool) 
         raise CheckpointError(
             f"{dst} is a file; pass the path of the folder to write the safetensors files into."
         )
+    if not force and folder:
+        raise CheckpointError(
+            f"{dst} already exists; pass --force to write into it (it replaces only model.safetensors, "
+            "model-NNNNN-of-NNNNN.safetensors and model.safetensors.index.json there; other files stay)."
+        )
     if not force:
-        raise CheckpointError(f"{dst} already exists; pass --force to overwrite it.")
+        raise CheckpointError(f"{dst} already exists; pass --force to replace it.")
+
+
+def _check_apart(src: str, dst: str, options: dict[str, Any]) -> None:
+    """Refuse an output that is the source, holds it, or lies inside it: writing there would mix the
+    output into the checkpoint being read (or, with ``--force``, replace its files).
+
+    Local paths are compared as real paths (links and ``..`` resolved, so ``.`` and a link to the
+    source's folder are caught); other filesystems by their normalized paths.
+    """
+    src_fs, src_path = resolve(src, **options)
+    dst_fs, dst_path = resolve(dst, **options)
+    if _protocol(src_fs) != _protocol(dst_fs):
+        return
+    if is_local(src_fs):
+        source, output, sep = os.path.realpath(src_path), os.path.realpath(dst_path), os.sep
+    else:
+        source, output, sep = posixpath.normpath(src_path), posixpath.normpath(dst_path), "/"
+    if output == source:
+        why = "it is the source itself"
+    elif source.startswith(output.rstrip(sep) + sep):
+        why = f"it holds the source {src}"
+    elif output.startswith(source.rstrip(sep) + sep):
+        why = f"it is inside the source {src}"
+    else:
+        return
+    raise CheckpointError(
+        f"Refused to write {dst}: {why}. Pass an output outside the checkpoint and the folder that holds it "
+        "(e.g. a new folder next to it); nothing was written."
+    )
+
+
+def _protocol(fs: fsspec.AbstractFileSystem) -> str:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return "file" if protocol == "local" else protocol
 
 
 def _sharded_weights(src: str, options: dict[str, Any]) -> tuple[dict[str, Any], list[str], int]:
@@ -421,7 +471,6 @@ def _file_weights(
     import torch
 
     from trainer_core.checkpoint.format import safe_globals
-    from trainer_core.paths import is_local
 
     local_path = fs_path
     if not is_local(fs):
@@ -499,7 +548,14 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument(
         "out", metavar="OUT", help="the checkpoint file to write (with --to safetensors: the folder to write)"
     )
-    merge.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    merge.add_argument(
+        "--force",
+        action="store_true",
+        help="replace the file OUT if it exists; with --to safetensors, write into the folder OUT if it exists, "
+        "replacing only model.safetensors, model-NNNNN-of-NNNNN.safetensors and model.safetensors.index.json "
+        "(and removing those a previous write left that this one does not rewrite); other files in OUT stay. "
+        "An OUT that is, holds or lies inside SRC is always refused",
+    )
     merge.add_argument(
         "--to",
         choices=("torch", "safetensors"),
