@@ -30,7 +30,7 @@ import stat
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, Optional
 
@@ -147,24 +147,47 @@ def _is_real_dir(path: str) -> bool:
     return os.path.isdir(path) and not os.path.islink(path)
 
 
-def replace_entry(new: str, final: str) -> None:
+def replace_entry(new: str, final: str, owned: Optional[Callable[[str], bool]] = None) -> None:
     """Put the local file, link or folder ``new`` at ``final``; a reader sees the old entry or the new one.
 
-    A file or a link is renamed over ``final`` in one step. A folder can be neither renamed over nor
-    replaced by a file in one rename, so the old entry is renamed aside first (for a moment there is
-    no ``final``, never half of one) and then removed.
+    A file or a link is renamed over ``final`` in one step (a link is replaced, never what it points
+    to). A folder can be neither renamed over nor replaced by a file in one rename, so the old entry
+    is renamed aside first (for a moment there is no ``final``, never half of one) and then removed.
+    A folder at ``final`` is replaced only if every entry in it is a plain file whose name ``owned``
+    accepts (the files the caller's writer writes; none if ``owned`` is ``None``): a folder holding
+    anything else (a file the user put there, a symlink) is refused with :class:`CheckpointError`
+    before anything changes, so it is never removed.
     """
     if not os.path.lexists(final) or not (_is_real_dir(new) or _is_real_dir(final)):
         os.replace(new, final)
         return
+    if _is_real_dir(final):
+        foreign = foreign_entries(final, owned)
+        if foreign:
+            raise CheckpointError(
+                f"Did not replace the folder {final}: it holds entries no checkpoint writer of trainer-core "
+                f"writes ({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}), and they would be lost. "
+                "Move them elsewhere or save to another path."
+            )
     old = temporary_path(final, old=True)
     os.replace(final, old)
     os.replace(new, final)
     if _is_real_dir(old):
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(
+            old, ignore_errors=True
+        )  # only our own files, checked above; rmtree never follows a link
     else:
         with suppress(OSError):
             os.remove(old)
+
+
+def foreign_entries(folder: str, owned: Optional[Callable[[str], bool]]) -> list[str]:
+    """The names in local ``folder`` that are not a plain file ``owned`` accepts (symlinks and folders never are)."""
+    foreign = []
+    for entry in os.scandir(folder):
+        if owned is None or not entry.is_file(follow_symlinks=False) or not owned(entry.name):
+            foreign.append(entry.name)
+    return sorted(foreign)
 
 
 def write_commit_marker(fs: fsspec.AbstractFileSystem, path: str, size: Optional[int]) -> None:
@@ -242,6 +265,15 @@ class CheckpointIO(ABC):
         default, no files, means this IO writes single files and no folder is a checkpoint.
         """
         return ()
+
+    def owns_folder_file(self, name: str) -> bool:
+        """Whether ``name``, a file inside a checkpoint folder, is one this IO's writer writes there.
+
+        Removing or replacing a checkpoint folder deletes only such files (by exact name or the
+        writer's own pattern), never a file the user put into the folder. The default: the
+        :meth:`folder_commit_files`.
+        """
+        return name in self.folder_commit_files()
 
     def is_complete(self, path: PathLike) -> bool:
         """Whether the checkpoint at ``path`` was fully written and may be picked by a reader."""
@@ -339,7 +371,7 @@ class CheckpointIO(ABC):
                 "or save the checkpoint in full instead."
             )
         if is_local(fs):
-            _publish_local_link(src_path, dst_path)
+            _publish_local_link(src_path, dst_path, self.owns_folder_file)
         else:
             self._publish_copy(fs, src_path, dst_path)
 
@@ -357,13 +389,18 @@ class CheckpointIO(ABC):
             write_commit_marker(fs, dst, size=fs.size(dst))
             return
         commit = self.folder_commit_files()
+        # The checkpoint's own files only: a file the user put into the folder is not part of it.
         names = [path[len(src) + 1 :] for path in fs.find(src)]
+        names = [name for name in names if "/" not in name and self.owns_folder_file(name)]
         ordered = sorted(names, key=lambda n: commit.index(n) if n in commit else -1)
         for name in ordered:
             fs.copy(f"{src}/{name}", f"{dst}/{name}")
 
     def _unpublish(self, fs: fsspec.AbstractFileSystem, path: str) -> None:
-        """Make the checkpoint at ``path`` on an object store incomplete (its commit file first), then remove it."""
+        """Make the checkpoint at ``path`` on an object store incomplete (its commit file first), then remove it.
+
+        A folder loses only the files its writer writes (:meth:`owns_folder_file`); others stay.
+        """
         for name in reversed(self.folder_commit_files()):
             with suppress(FileNotFoundError):
                 if fs.isfile(f"{path}/{name}"):
@@ -371,12 +408,23 @@ class CheckpointIO(ABC):
         with suppress(FileNotFoundError):
             if fs.exists(commit_marker_path(path)):
                 fs.rm(commit_marker_path(path))
-            if fs.exists(path):
-                fs.rm(path, recursive=True)
+            if fs.isdir(path):
+                owned = [
+                    info["name"]
+                    for info in fs.ls(path, detail=True)
+                    if info.get("type") == "file" and self.owns_folder_file(_basename(info["name"]))
+                ]
+                if owned:
+                    fs.rm(owned)
+            elif fs.exists(path):
+                fs.rm(path)
 
 
-def _publish_local_link(src: str, dst: str) -> None:
-    """Make the local ``dst`` a relative symlink to ``src`` (a copy without symlinks), atomically."""
+def _publish_local_link(src: str, dst: str, owned: Optional[Callable[[str], bool]] = None) -> None:
+    """Make the local ``dst`` a relative symlink to ``src`` (a copy without symlinks), atomically.
+
+    A checkpoint folder at ``dst`` is replaced only if it holds nothing but files ``owned`` names.
+    """
     folder = os.path.dirname(dst)
     os.makedirs(folder, exist_ok=True)
     temp = temporary_path(dst)
@@ -385,10 +433,10 @@ def _publish_local_link(src: str, dst: str) -> None:
             os.symlink(os.path.relpath(src, folder), temp)
         except OSError:
             # No symlinks on this filesystem (some network and FUSE mounts): a copy, published alike.
-            with _locked_copy(src, temp):
-                replace_entry(temp, dst)
+            with _locked_copy(src, temp, owned):
+                replace_entry(temp, dst, owned)
         else:
-            replace_entry(temp, dst)
+            replace_entry(temp, dst, owned)
     except BaseException:
         if _is_real_dir(temp):
             shutil.rmtree(temp, ignore_errors=True)
@@ -399,15 +447,20 @@ def _publish_local_link(src: str, dst: str) -> None:
 
 
 @contextmanager
-def _locked_copy(src: str, temp: str) -> Iterator[None]:
+def _locked_copy(src: str, temp: str, owned: Optional[Callable[[str], bool]] = None) -> Iterator[None]:
     """Copy the local file or folder ``src`` to the temporary ``temp``, locked (see :func:`lock_temporary`)
-    while the caller publishes it, and synced to disk first."""
+    while the caller publishes it, and synced to disk first. Of a folder, only the files ``owned`` names."""
     if os.path.isdir(src):
         os.makedirs(temp)
         fd = os.open(temp, os.O_RDONLY | os.O_DIRECTORY)
         try:
             lock_temporary(fd)
-            shutil.copytree(src, temp, dirs_exist_ok=True)
+            shutil.copytree(
+                src,
+                temp,
+                dirs_exist_ok=True,
+                ignore=lambda _, names: [n for n in names if owned is not None and not owned(n)],
+            )
             yield
         finally:
             os.close(fd)
@@ -468,6 +521,9 @@ class WrappingCheckpointIO(CheckpointIO):
 
     def folder_commit_files(self) -> tuple[str, ...]:
         return self.inner.folder_commit_files()
+
+    def owns_folder_file(self, name: str) -> bool:
+        return self.inner.owns_folder_file(name)
 
     def is_complete(self, path: PathLike) -> bool:
         with self._calling_inner():

@@ -28,6 +28,13 @@ tensor's place. How a save goes:
 then every blob that no checkpoint remaining in the folder references. A ``.ckpt`` there without a list
 (a copy made by hand) is read to find its blobs; if it cannot be read, no blob is removed.
 
+**The store is the folder's own.** Retention counts the references of the checkpoints in the store's
+folder only, so a store shared with another run would lose that run's blobs. A ``blobs`` (or
+``blobs/refs``) that is a symlink is therefore never written (a save raises :class:`CheckpointError`)
+nor pruned (``remove_unreferenced_blobs`` removes nothing and warns); runs share a frozen base safely by
+saving into one checkpoint folder, where every checkpoint's references are counted. Only regular files
+named by a sha256 are ever removed from a store, never a symlink; object stores have no symlinks.
+
 Reading needs no plugin: every :class:`~trainer_core.plugins.io.torch_io.TorchCheckpointIO` load
 resolves references (:func:`resolve_blob_references`), so ``load_from_checkpoint``, every training
 plugin and the checkpoint CLI get an ordinary checkpoint. Each blob is checked before anything loads:
@@ -206,6 +213,26 @@ def _store_name_of(checkpoint: Mapping[str, Any]) -> str:
     return name
 
 
+def _linked_part(fs: fsspec.AbstractFileSystem, store: str) -> str:
+    """The local store, or its list folder, where it is a symlink (a store shared with others); else ``""``."""
+    if not is_local(fs):
+        return ""
+    return next((path for path in (store, f"{store}/{REFS_FOLDER}") if os.path.islink(path)), "")
+
+
+def _check_own_store(fs: fsspec.AbstractFileSystem, store: str, display: str) -> None:
+    """Refuse to write into a store reached through a symlink (see the module's docstring)."""
+    linked = _linked_part(fs, store)
+    if linked:
+        raise CheckpointError(
+            f"Could not save the checkpoint {display}: its frozen-weight store {linked} is a symlink (to "
+            f"{os.path.realpath(linked)}). A store shared through a symlink cannot be pruned safely: the run whose "
+            "folder holds it counts only its own checkpoints' references and would remove this run's blobs. "
+            "Remove the symlink (this run then writes its own store), or save the runs that share a frozen base "
+            "into one checkpoint folder, where every checkpoint's references are counted."
+        )
+
+
 def _manifest_path(store: str, checkpoint_name: str) -> str:
     return f"{store}/{REFS_FOLDER}/{checkpoint_name}.json"
 
@@ -281,6 +308,13 @@ def _publish_blob(fs: fsspec.AbstractFileSystem, path: str, data: torch.Tensor) 
             file.closed = True
             raise
     write_commit_marker(fs, path, size=len(view))
+
+
+def _is_plain_file(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    """Whether ``path`` is a file this IO may have written: locally a regular file, never a symlink."""
+    if not is_local(fs):
+        return True  # object stores hold objects only
+    return os.path.isfile(path) and not os.path.islink(path)
 
 
 def _remove_blob(fs: fsspec.AbstractFileSystem, path: str) -> None:
@@ -477,7 +511,8 @@ class FrozenBlobCheckpointIO(WrappingCheckpointIO):
     them); each checkpoint file holds the trainable weights, the optimizer and the loop state, and a
     reference per frozen tensor. Any trainer-core reader resolves the references, checking each blob's
     size and sha256; a resume is exact. :meth:`remove_checkpoint` removes the blobs that no remaining
-    checkpoint of the folder references. Copy or move a checkpoint with its folder's ``blobs/``.
+    checkpoint of the folder references. Copy or move a checkpoint with its folder's ``blobs/``; a
+    ``blobs`` that is a symlink (a store shared with other runs) is neither written nor pruned.
 
     Works wherever one process writes whole files: single device, DDP and the other plugins that save
     a full state dict from rank 0 (there the hash is redone at each save when the state dict is a
@@ -504,6 +539,7 @@ class FrozenBlobCheckpointIO(WrappingCheckpointIO):
         # Lists joined with the previous one of their name, narrowed once the wrapped IO's write is done.
         self._to_narrow: list[tuple[fsspec.AbstractFileSystem, str, set[str]]] = []
         self._defers = _defers_writes(inner)
+        self._warned_linked: set[str] = set()  # stores shared through a symlink, warned about once each
 
     def __getstate__(self) -> dict[str, Any]:
         # ``ddp_spawn`` sends the IO to every rank: the lock cannot travel, and the hashes and blobs known
@@ -549,6 +585,7 @@ class FrozenBlobCheckpointIO(WrappingCheckpointIO):
             if isinstance(names, list) and isinstance(state, dict)
             else {}
         )
+        _check_own_store(fs, store, os.fspath(path))
         try:
             hashes = self._store_blobs(fs, store, frozen) if frozen else {}
             used = set(hashes.values())
@@ -646,6 +683,7 @@ class FrozenBlobCheckpointIO(WrappingCheckpointIO):
         src_fs, src_path = self._resolve(src)
         fs, dst_path = self._resolve(dst)
         store = f"{_parent(dst_path)}/{STORE_NAME}"
+        _check_own_store(fs, store, os.fspath(dst))
         source = _read_manifest(src_fs, _manifest_path(f"{_parent(src_path)}/{STORE_NAME}", _name(src_path)))
         manifest = _manifest_path(store, _name(dst_path))
         previous = _read_manifest(fs, manifest)
@@ -671,7 +709,7 @@ class FrozenBlobCheckpointIO(WrappingCheckpointIO):
         folder = _parent(fs_path)
         with suppress(FileNotFoundError):
             manifest = _manifest_path(f"{folder}/{STORE_NAME}", _name(fs_path))
-            if fs.exists(manifest):
+            if not _linked_part(fs, f"{folder}/{STORE_NAME}") and _is_plain_file(fs, manifest):
                 fs.rm(manifest)
         try:
             self.remove_unreferenced_blobs(folder, resolved=(fs, folder))
@@ -687,13 +725,30 @@ class FrozenBlobCheckpointIO(WrappingCheckpointIO):
         """Remove the blobs in ``folder``'s store that no checkpoint in ``folder`` references; returns their names.
 
         In use: every blob named by the list of a checkpoint that exists, and by any ``.ckpt`` file there
-        without a list (read to find out). If such a file cannot be read, nothing is removed.
+        without a list (read to find out). If such a file cannot be read, nothing is removed. A store (or
+        its list folder) that is a symlink is shared with other runs, whose checkpoints cannot be seen
+        from here: nothing is removed from it, with a warning (once per store). Only regular files named
+        by a sha256 are removed, never a symlink or a folder of that name.
         """
         fs, fs_folder = resolved if resolved is not None else self._resolve(folder)
         store = f"{fs_folder}/{STORE_NAME}"
+        linked = _linked_part(fs, store)
+        if linked:
+            if linked not in self._warned_linked:
+                self._warned_linked.add(linked)
+                rank_zero_warn(
+                    f"FrozenBlobCheckpointIO: {linked} is a symlink (to {os.path.realpath(linked)}): a store shared "
+                    "through a symlink is never pruned, because the other runs' references to its blobs cannot be "
+                    "seen from here. No blob was removed; remove unused blobs by hand, or give each run its own store."
+                )
+            return []
         if not fs.isdir(store):
             return []
-        stored = {_name(p) for p in fs.ls(store, detail=False) if _SHA256_NAME.match(_name(p))}
+        stored = {
+            _name(p)
+            for p in fs.ls(store, detail=False)
+            if _SHA256_NAME.match(_name(p)) and _is_plain_file(fs, p)
+        }
         if not stored:
             return []
         entries = {
@@ -703,7 +758,9 @@ class FrozenBlobCheckpointIO(WrappingCheckpointIO):
         }
         refs = f"{store}/{REFS_FOLDER}"
         listed = {_name(p)[: -len(".json")]: p for p in (fs.ls(refs, detail=False) if fs.isdir(refs) else [])}
-        listed = {name: p for name, p in listed.items() if _name(p).endswith(".json")}
+        listed = {
+            name: p for name, p in listed.items() if _name(p).endswith(".json") and _is_plain_file(fs, p)
+        }
         in_use: set[str] = set()
         for name, manifest in listed.items():
             if name not in entries:

@@ -385,3 +385,34 @@ def test_next_run_replaces_a_damaged_blob_instead_of_referencing_it(tmp_path: Pa
     FrozenBlobCheckpointIO().save_checkpoint(_checkpoint(2, state, ["base"]), b)  # a new run's first save
     for path in (a, b):  # the blob was checked, found damaged and written again: both load
         assert torch.equal(TorchCheckpointIO().load_checkpoint(path)["state_dict"]["base"], state["base"])
+
+
+def test_a_store_shared_through_a_symlink_is_neither_written_nor_pruned(tmp_path: Path) -> None:
+    """Run B's ``blobs`` is a symlink to run A's store: B's retention must not remove A's blobs."""
+    state = _state()
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    FrozenBlobCheckpointIO().save_checkpoint(_checkpoint(1, state, ["base"]), str(run_a / "a.ckpt"))
+    store_a = {name: (run_a / "blobs" / name).read_bytes() for name in _blob_names(run_a)}
+    io_b = FrozenBlobCheckpointIO()
+    other = {"base": torch.zeros(8, 8), "adapter": state["adapter"]}  # B's own base: a blob A does not use
+    io_b.save_checkpoint(_checkpoint(1, other, ["base"]), str(run_b / "b.ckpt"))
+    shutil.rmtree(run_b / "blobs")
+    (run_b / "blobs").symlink_to(run_a / "blobs", target_is_directory=True)  # "share" A's store
+
+    with pytest.raises(CheckpointError, match=r"frozen-weight store .*b/blobs is a symlink"):
+        io_b.save_checkpoint(_checkpoint(2, other, ["base"]), str(run_b / "c.ckpt"))
+    assert not (run_b / "c.ckpt").exists()
+    with pytest.warns(UserWarning, match=r"b/blobs is a symlink .*never pruned") as warned:
+        io_b.remove_checkpoint(str(run_b / "b.ckpt"))
+        assert io_b.remove_unreferenced_blobs(str(run_b)) == []
+    assert len([w for w in warned if "never pruned" in str(w.message)]) == 1  # once per store
+    assert {name: (run_a / "blobs" / name).read_bytes() for name in _blob_names(run_a)} == store_a
+    loaded = TorchCheckpointIO().load_checkpoint(str(run_a / "a.ckpt"))
+    _assert_same_bits({"base": loaded["state_dict"]["base"]}, {"base": state["base"]})
+    # The refs folder shared through a symlink counts the same.
+    (run_b / "blobs").unlink()
+    (run_b / "blobs").mkdir()
+    (run_b / "blobs" / "refs").symlink_to(run_a / "blobs" / "refs", target_is_directory=True)
+    with pytest.raises(CheckpointError, match=r"blobs/refs is a symlink"):
+        FrozenBlobCheckpointIO().save_checkpoint(_checkpoint(3, other, ["base"]), str(run_b / "d.ckpt"))
+    assert sorted(p.name for p in (run_a / "blobs" / "refs").iterdir()) == ["a.ckpt.json"]

@@ -230,3 +230,89 @@ def test_storage_credentials_never_reach_checkpoints_logs_or_errors(
     assert written and resumed.global_step == 6
     for blob in [*written, (printed.out + printed.err + str(error.value)).encode()]:
         assert secret.encode() not in blob and key.encode() not in blob
+
+
+# ---------------------------------------------------------------------- the .metadata of a sharded folder
+_META = "torch.distributed.checkpoint.metadata"
+
+
+def _build_on_class() -> bytes:
+    """GLOBAL Metadata, then BUILD with a slot state: ``setattr(Metadata, "planner_data", ...)`` on the class."""
+    return (
+        b"\x80\x04c" + _META.encode() + b"\nMetadata\n"
+        b"N}\x8c\x0cplanner_data\x8c\x05PWNEDs\x86b."  # (None, {"planner_data": "PWNED"}) BUILD STOP
+    )
+
+
+def _build_on_enum_member() -> bytes:
+    """REDUCE ``_MEM_FORMAT_ENCODING(0)`` (the process's one member), then BUILD ``{"_value_": 7}`` on it."""
+    return b"\x80\x04c" + _META.encode() + b"\n_MEM_FORMAT_ENCODING\nK\x00\x85R}\x8c\x07_value_K\x07sb."
+
+
+def _inst_opcode() -> bytes:
+    """Protocol 0's INST: construct a class by calling it with arguments from the stream."""
+    return b"(i" + _META.encode() + b"\nStorageMeta\n."
+
+
+@pytest.fixture
+def sharded_folder(tmp_path: Path) -> Path:
+    seed_everything(0, verbose=False)
+    trainer = quiet_trainer(max_steps=1, plugins=[DistributedCheckpointIO()])
+    trainer.fit(BoringModel(), _loader())
+    folder = tmp_path / "sharded.ckpt"
+    trainer.save_checkpoint(folder)
+    return folder
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_metadata_cannot_set_attributes_on_allowed_classes(sharded_folder: Path) -> None:
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
+
+    class_state = dict(Metadata.__dict__)
+    member = _MEM_FORMAT_ENCODING(0)
+    member_state = dict(member.__dict__)
+    for payload, refused in (
+        (_build_on_class(), r"set attributes of torch\.distributed\.checkpoint\.metadata\.Metadata"),
+        (_build_on_enum_member(), r"set attributes of a _MEM_FORMAT_ENCODING"),
+        (_inst_opcode(), r"use the pickle opcode INST"),
+    ):
+        (sharded_folder / ".metadata").write_bytes(payload)
+        with pytest.raises(
+            CheckpointError, match=rf"Refused to load {sharded_folder}: its \.metadata asks to {refused}"
+        ):
+            DistributedCheckpointIO().load_checkpoint(str(sharded_folder))
+        assert dict(Metadata.__dict__) == class_state and "PWNED" not in repr(Metadata.__dict__)
+        assert dict(member.__dict__) == member_state and member.value == 0
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_metadata_of_the_wrong_type_is_one_clear_error(sharded_folder: Path) -> None:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from trainer_core.checkpoint.stream import ShardedSource
+
+    real = (sharded_folder / ".metadata").read_bytes()
+    seed_everything(1, verbose=False)
+    model = BoringModel()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    for wrong, described in (
+        ([1, 2], "it holds a list, not a Metadata"),
+        ({"state_dict_metadata": {}}, "it holds a dict"),
+        (7, "it holds a int"),
+        (
+            Metadata(state_dict_metadata={}, storage_data=["__0_0.distcp"]),
+            "storage_data is a list, not a dict",
+        ),
+    ):
+        (sharded_folder / ".metadata").write_bytes(pickle.dumps(wrong))
+        message = rf"Could not read {sharded_folder}/\.metadata: it is not the metadata of a sharded checkpoint \({described}"
+        with pytest.raises(CheckpointError, match=message):
+            DistributedCheckpointIO().load_checkpoint(str(sharded_folder))
+        with pytest.raises(CheckpointError, match=message):
+            ShardedSource(str(sharded_folder))  # what consolidate reads with
+    with pytest.raises(CheckpointError, match=r"sharded\.ckpt/\.metadata: it is not the metadata"):
+        quiet_trainer(max_steps=2).fit(model, _loader(), ckpt_path=str(sharded_folder))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    (sharded_folder / ".metadata").write_bytes(real)  # the real one still loads, through the checked reader
+    assert DistributedCheckpointIO().load_checkpoint(str(sharded_folder))["global_step"] == 1
