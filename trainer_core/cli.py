@@ -22,6 +22,7 @@ from its logs. Parsing needs jsonargparse, an optional extra: ``pip install 'tra
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import os
 import sys
@@ -52,6 +53,7 @@ try:
     _JSONARGPARSE_AVAILABLE = True
 except ImportError:  # an optional extra: the classes below say what to install when used
     ArgumentParser = object  # type: ignore[assignment,misc]
+    ActionConfigFile = object  # type: ignore[assignment,misc]
     Namespace = dict  # type: ignore[assignment,misc]
     _JSONARGPARSE_AVAILABLE = False
 
@@ -104,6 +106,22 @@ def _typed_trainer_arguments() -> dict[str, tuple[Any, str]]:
     }
 
 
+class _ConfigFileAction(ActionConfigFile):
+    """``--config``: a file that cannot be decoded or parsed is argparse's error naming the file, not a traceback.
+
+    jsonargparse reports YAML errors without the file's name, and lets a file that is not UTF-8
+    (``UnicodeDecodeError``) or nested past Python's recursion limit escape as a raw exception.
+    """
+
+    def __call__(self, parser: Any, cfg: Any, values: Any, option_string: Optional[str] = None) -> None:
+        try:
+            super().__call__(parser, cfg, values, option_string)
+        except (TypeError, ValueError, RecursionError, OSError) as err:  # UnicodeDecodeError is a ValueError
+            raise argparse.ArgumentError(
+                self, f"cannot read the config file {values}: {err}; fix the file (YAML or JSON, UTF-8)."
+            ) from err
+
+
 class LightningArgumentParser(ArgumentParser):
     """jsonargparse's ``ArgumentParser`` that also knows trainer-core's classes, optimizers and schedulers.
 
@@ -128,6 +146,17 @@ class LightningArgumentParser(ArgumentParser):
         # Which optimizer and scheduler groups were added, and where each one's arguments go.
         self._optimizers: dict[str, tuple[Union[type, tuple[type, ...]], str]] = {}
         self._lr_schedulers: dict[str, tuple[Union[type, tuple[type, ...]], str]] = {}
+
+    def error(self, message: str, ex: Optional[Exception] = None) -> Any:
+        """argparse's error, which also names the config files the values came from when it does not already.
+
+        A wrong value in a config file is reported by its key only ("trainer.max_steps: Expected an
+        int"); the file it was read from is what the user opens to fix it.
+        """
+        files = [name for name in _config_files(getattr(self, "args", None) or []) if name not in message]
+        if files:
+            message = f"{message}\n(the arguments were read from the config file {', '.join(files)})"
+        return super().error(message, ex)
 
     def add_lightning_class_args(
         self,
@@ -343,6 +372,7 @@ class LightningCLI:
         main_kwargs, subparser_kwargs = self._setup_parser_kwargs(self.parser_kwargs)
         self.setup_parser(run, main_kwargs, subparser_kwargs)
         self.parse_arguments(self.parser, args)
+        self._check_class_groups(run)
         self._parse_ckpt_path()
         self.subcommand: Optional[str] = self.config["subcommand"] if run else None
         self._set_seed()
@@ -365,7 +395,7 @@ class LightningCLI:
         kwargs.setdefault("dump_header", [f"trainer_core=={__version__}"])
         parser = self.parser_class(**kwargs)
         parser.add_argument(
-            "-c", "--config", action=ActionConfigFile, help="a YAML (or JSON) file with any of the arguments"
+            "-c", "--config", action=_ConfigFileAction, help="a YAML (or JSON) file with any of the arguments"
         )
         return parser
 
@@ -471,6 +501,25 @@ class LightningCLI:
         else:
             self.config = parser.parse_args(None if args is None else list(args))
 
+    def _check_class_groups(self, run: bool) -> None:
+        """A class's group (``trainer:``, ``model:``, ``data:``) set to a non-mapping is the config's error.
+
+        jsonargparse accepts ``model: null`` (or ``5``) for a group of arguments and fails only when it
+        builds the class (``TypeError: argument after ** must be a mapping``); say so while parsing.
+        """
+        subcommand = self.config.get("subcommand") if run else None
+        config = self.config[subcommand] if subcommand else self.config
+        groups = {"trainer": False, "model": self.subclass_mode_model, "data": self.subclass_mode_data}
+        for key, subclass_mode in groups.items():
+            value = config.get(key) if key in config else Namespace()
+            # Subclass mode takes `null` (no data module); a class's own group takes only its arguments.
+            if isinstance(value, Namespace) or (subclass_mode and value is None):
+                continue
+            self._parser(subcommand).error(
+                f'Parser key "{key}": expected a mapping of arguments, got {type(value).__name__} {value!r}; '
+                f"write `{key}:` followed by indented `name: value` lines, or leave it out."
+            )
+
     def _parse_ckpt_path(self) -> None:
         """With ``--ckpt_path``, the module is built with the hyper-parameters its checkpoint saved (Lightning's rule)."""
         subcommand = self.config.get("subcommand")
@@ -534,7 +583,11 @@ class LightningCLI:
                     self._parser(self.subcommand), self._subconfig(self.config), **self.save_config_kwargs
                 )
             )
-        return self.trainer_class(**config)
+        try:
+            return self.trainer_class(**config)
+        except MisconfigurationException as err:
+            # A value the config gave (`max_steps:` left empty is null): argparse's error, naming the file too.
+            self.parser.error(str(err), err)
 
     def _parser(self, subcommand: Optional[str]) -> LightningArgumentParser:
         return self.parser if subcommand is None else self._subcommand_parsers[subcommand]
@@ -624,7 +677,10 @@ class LightningCLI:
         seed = config.get("seed_everything")
         if seed is False:
             return
-        config["seed_everything"] = seed_everything(None if seed is True else int(seed), workers=True)
+        # `null` draws a seed, as `true` does (Lightning's rule); it must not reach int().
+        config["seed_everything"] = seed_everything(
+            None if seed is True or seed is None else int(seed), workers=True
+        )
 
 
 def instantiate_class(args: Union[Any, tuple[Any, ...]], init: dict[str, Any]) -> Any:
@@ -653,6 +709,17 @@ def _automatic(class_type: Any, register: dict[str, tuple[Union[type, tuple[type
         if link_to == "AUTOMATIC" and any(issubclass(c, class_type) for c in bases):
             found.append(key)
     return found
+
+
+def _config_files(args: Sequence[str]) -> list[str]:
+    """The files ``--config``/``-c`` names in the command line ``args`` (``--config x``, ``--config=x``, ``-c x``)."""
+    files = []
+    for i, arg in enumerate(args):
+        if arg in ("--config", "-c") and i + 1 < len(args):
+            files.append(args[i + 1])
+        elif arg.startswith("--config="):
+            files.append(arg.split("=", 1)[1])
+    return files
 
 
 def _first_line(fn: Any) -> Optional[str]:

@@ -241,7 +241,9 @@ class DistributedCheckpointIO(CheckpointIO):
         url = os.fspath(path)
         reader = self._reader(url)
         try:
-            dcp.load(template, storage_reader=reader, planner=_SafeLoadPlanner())
+            planner = _SafeLoadPlanner()
+            planner.display = url
+            dcp.load(template, storage_reader=reader, planner=planner)
         except CheckpointError:
             raise
         except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
@@ -268,7 +270,9 @@ class DistributedCheckpointIO(CheckpointIO):
         reader = self._reader(url)
         tensors: dict[str, Any] = {}
         try:
-            _load_state_dict(tensors, storage_reader=reader, planner=_SafeEmptyLoadPlanner(), no_dist=True)
+            planner = _SafeEmptyLoadPlanner()
+            planner.display = url
+            _load_state_dict(tensors, storage_reader=reader, planner=planner, no_dist=True)
         except CheckpointError:
             raise
         except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
@@ -675,22 +679,31 @@ class _SafeFsspecReader(_SafeMetadataReading, FsspecReader):
         return done
 
 
-def _load_bytes_safely(value: io.BytesIO) -> Any:
-    """A non-tensor entry of a shard, without running code (DCP itself uses ``weights_only=False``)."""
+def _load_bytes_safely(value: io.BytesIO, display: str) -> Any:
+    """A non-tensor entry of a shard of the folder ``display``, without running code (DCP itself uses
+    ``weights_only=False``). A refused class and a damaged entry are told apart: only the first is code."""
+    from trainer_core.plugins.io.torch_io import _corrupt_message, _refused_global
+
     with torch.serialization.safe_globals([*safe_globals(), io.BytesIO]):
         try:
             return torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as err:
-            raise CheckpointError(
-                "Refused to load a sharded checkpoint: one of its entries asks to run code while loading "
-                f"({str(err).splitlines()[-1] if str(err) else 'unpickling refused'}); trainer-core never runs "
-                "code from a checkpoint."
-            ) from None
+        except Exception as err:
+            refused = _refused_global(str(err)) if isinstance(err, pickle.UnpicklingError) else None
+            if refused is not None:
+                raise CheckpointError(
+                    f"Refused to load {display}: one of its entries asks to call or construct {refused} while "
+                    "loading, and trainer-core never runs code from a checkpoint. Delete the folder unless you "
+                    "know where it came from."
+                ) from None
+            raise CheckpointError(_corrupt_message(display, err)) from None
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
+    #: The folder being read, for errors; set by the reader's caller.
+    display = "a sharded checkpoint"
+
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        loaded = _load_bytes_safely(value)
+        loaded = _load_bytes_safely(value, self.display)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:

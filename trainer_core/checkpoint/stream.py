@@ -464,6 +464,7 @@ class ShardedSource:
         from trainer_core.plugins.io.distributed_io import _SafeLoadPlanner, _shard_error
 
         planner = _SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+        planner.display = self.url
         try:
             planner.set_up_planner(template, self.metadata, True)
             plans = planner.create_global_plan([self._reader.prepare_local_plan(planner.create_local_plan())])
