@@ -705,38 +705,83 @@ def _require_onnx_exporter(owner: str) -> None:
         )
 
 
-def _load_hparams_file(hparams_file: Any) -> dict[str, Any]:
-    """The hyper-parameters in ``load_from_checkpoint(hparams_file=...)``: a YAML mapping or a ``.csv``."""
-    import csv
-    import io
+#: The largest ``hparams_file`` read: loggers write a few KiB, and a pure-Python YAML parse of much more
+#: takes seconds; a file this big is not a file of hyper-parameters.
+MAX_HPARAMS_FILE_BYTES = 2**20
 
+
+def _load_hparams_file(hparams_file: Any) -> dict[str, Any]:
+    """The hyper-parameters in ``load_from_checkpoint(hparams_file=...)``: a YAML mapping or a ``.csv``.
+
+    Every way the file can be wrong (too big, not UTF-8 text, not YAML or CSV, not a mapping of names,
+    nested too deep or a "billion laughs" of YAML aliases) is one :class:`MisconfigurationException`
+    naming it; a missing file is a ``FileNotFoundError``.
+    """
     from trainer_core import paths
+    from trainer_core.utilities.nesting import nesting_problem
 
     path = os.fspath(hparams_file)
+    where = f"load_from_checkpoint(hparams_file={path!r})"
     extension = path.rsplit(".", 1)[-1].lower()
     if extension not in ("yaml", "yml", "csv"):
-        raise MisconfigurationException(
-            f"load_from_checkpoint(hparams_file={path!r}): use a .yaml, .yml or .csv file of hyper-parameters."
-        )
+        raise MisconfigurationException(f"{where}: use a .yaml, .yml or .csv file of hyper-parameters.")
     fs, fs_path = paths.resolve(path)
     if not fs.exists(fs_path):
-        raise FileNotFoundError(f"load_from_checkpoint(hparams_file={path!r}): there is no such file.")
-    with fs.open(fs_path, "r") as f:
-        text = f.read()
-    if extension == "csv":
-        # Lightning's layout: a "key,value" header, then one row per hyper-parameter.
-        hparams: Any = {row[0]: _literal(row[1]) for row in list(csv.reader(io.StringIO(text)))[1:] if row}
-    else:
-        hparams = _parse_yaml(text, path)
+        raise FileNotFoundError(f"{where}: there is no such file.")
+    if fs.isdir(fs_path):
+        raise MisconfigurationException(f"{where} is a folder; pass the hparams.yaml file in it.")
+    with fs.open(fs_path, "rb") as f:
+        data = f.read(MAX_HPARAMS_FILE_BYTES + 1)
+    if len(data) > MAX_HPARAMS_FILE_BYTES:
+        raise MisconfigurationException(
+            f"{where} is larger than {MAX_HPARAMS_FILE_BYTES // 2**20} MiB, which no file of hyper-parameters "
+            "is; pass the hparams.yaml the logger wrote, or the hyper-parameters as keywords."
+        )
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise MisconfigurationException(
+            f"{where} is not UTF-8 text (byte {err.start} is {data[err.start : err.start + 1]!r}); pass the "
+            "hparams.yaml the logger wrote, or the hyper-parameters as keywords."
+        ) from None
+    hparams = _parse_csv(text, where) if extension == "csv" else _parse_yaml(text, where)
     if not isinstance(hparams, dict):
         raise MisconfigurationException(
-            f"load_from_checkpoint(hparams_file={path!r}) holds a {type(hparams).__name__}; it must map "
-            "hyper-parameter names to values."
+            f"{where} holds a {type(hparams).__name__}; it must map hyper-parameter names to values."
         )
+    not_names = [key for key in hparams if not isinstance(key, str)]
+    if not_names:
+        raise MisconfigurationException(
+            f"{where} maps {not_names[0]!r} ({type(not_names[0]).__name__}) to a value; hyper-parameter names "
+            "are strings."
+        )
+    problem = nesting_problem(hparams)
+    if problem is not None:
+        raise MisconfigurationException(f"{where} {problem}; pass a file of plain hyper-parameters.")
     return hparams
 
 
-def _parse_yaml(text: str, path: str) -> Any:
+def _parse_csv(text: str, where: str) -> dict[str, Any]:
+    """Lightning's layout: a ``key,value`` header, then one row per hyper-parameter."""
+    import csv
+    import io
+
+    hparams: dict[str, Any] = {}
+    try:
+        for row in list(csv.reader(io.StringIO(text)))[1:]:
+            if not row:
+                continue
+            if len(row) != 2:
+                raise MisconfigurationException(
+                    f"{where}: the row {row[:3]!r} has {len(row)} cells; each row is `name,value`."
+                )
+            hparams[row[0]] = _literal(row[1], row[0], where)
+    except csv.Error as err:
+        raise MisconfigurationException(f"{where} is not a CSV file of `name,value` rows: {err}.") from None
+    return hparams
+
+
+def _parse_yaml(text: str, where: str) -> Any:
     try:
         import yaml
     except ImportError:
@@ -745,27 +790,42 @@ def _parse_yaml(text: str, path: str) -> Any:
 
         try:
             return json.loads(text)
+        except RecursionError:
+            raise _too_deep(where) from None
         except ValueError:
             raise MisconfigurationException(
-                f"load_from_checkpoint(hparams_file={path!r}) needs PyYAML to read YAML: `pip install pyyaml`, "
+                f"{where} needs PyYAML to read YAML: `pip install pyyaml`, "
                 "or pass the hyper-parameters to load_from_checkpoint as keywords."
             ) from None
     try:
         # safe_load: a hyper-parameter file must not be able to build arbitrary Python objects.
         return yaml.safe_load(text)
+    except RecursionError:  # PyYAML composes nested nodes recursively
+        raise _too_deep(where) from None
     except yaml.YAMLError as err:
-        raise MisconfigurationException(
-            f"load_from_checkpoint(hparams_file={path!r}) is not YAML that safe_load reads: {err}"
-        ) from err
+        raise MisconfigurationException(f"{where} is not YAML that safe_load reads: {err}") from err
 
 
-def _literal(text: str) -> Any:
+def _too_deep(where: str, key: Optional[str] = None) -> MisconfigurationException:
+    what = f"the value of {key!r}" if key is not None else "it"
+    return MisconfigurationException(
+        f"{where}: {what} nests too deeply to be a hyper-parameter; pass a file of plain hyper-parameters."
+    )
+
+
+def _literal(text: str, key: str, where: str) -> Any:
     """A ``.csv`` cell as the Python value it spells (``0.1``, ``True``, ``[1, 2]``), else the text itself."""
     import ast
 
     try:
         return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
+    except (RecursionError, MemoryError):  # what Python's parser raises on a literal nested very deep
+        raise _too_deep(where, key) from None
+    except SyntaxError as err:
+        if "too many nested" in str(err):
+            raise _too_deep(where, key) from None
+        return text
+    except (ValueError, TypeError):
         return text
 
 

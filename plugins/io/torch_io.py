@@ -37,7 +37,7 @@ from trainer_core.checkpoint.format import (
     KEY_BLOBS,
     decode_byte_payloads,
     encode_byte_payloads,
-    safe_globals,
+    load_weights_only,
     validate_checkpoint,
 )
 from trainer_core.checkpoint.stream import GuardedWriter
@@ -97,6 +97,14 @@ def _suspect_globals(file: Any, max_pickles: int = 8) -> list[str]:
     found: list[str] = []
     strings: list[str] = []
     try:
+        if zipfile.is_zipfile(file):  # torch's zip format: the object graph is the archive's data.pkl
+            file.seek(0)
+            archive = zipfile.ZipFile(file)
+            name = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+            if name is None:
+                return []
+            file = archive.open(name)
+        file.seek(0)
         for _ in range(max_pickles):
             for opcode, arg, _pos in pickletools.genops(file):
                 if opcode.name == "GLOBAL":
@@ -164,6 +172,11 @@ class TorchCheckpointIO(CheckpointIO):
         from trainer_core.plugins.io.distributed_io import SHARDED_COMMIT_FILES
 
         return SHARDED_COMMIT_FILES
+
+    def owns_folder_file(self, name: str) -> bool:
+        from trainer_core.plugins.io.distributed_io import is_sharded_file_name
+
+        return is_sharded_file_name(name)
 
     # ---------------------------------------------------------------- save
 
@@ -341,11 +354,17 @@ class TorchCheckpointIO(CheckpointIO):
     ) -> Any:
         try:
             if mmap:  # a local zip file: mapped, its pages shared with every process that maps it
-                with torch.serialization.safe_globals(safe_globals()):
-                    loaded = torch.load(fs_path, map_location=map_location, weights_only=True, mmap=True)
+                loaded = load_weights_only(
+                    lambda: torch.load(fs_path, map_location=map_location, weights_only=True, mmap=True),
+                    display,
+                )
                 return _small_tensors_copied(loaded)
-            with fs.open(fs_path, "rb") as f, torch.serialization.safe_globals(safe_globals()):
-                return torch.load(ExactReader(f), map_location=map_location, weights_only=True)
+            with fs.open(fs_path, "rb") as f:
+                return load_weights_only(
+                    lambda: torch.load(ExactReader(f), map_location=map_location, weights_only=True), display
+                )
+        except CheckpointError:
+            raise
         except ShortReadError as err:
             raise CheckpointError(_short_read_message(display, err)) from err
         except pickle.UnpicklingError as err:
@@ -353,6 +372,16 @@ class TorchCheckpointIO(CheckpointIO):
             if refused is None:
                 with fs.open(fs_path, "rb") as f:
                     refused = ", ".join(_suspect_globals(f)[:3]) or None
+                unbuildable = re.search(r"Can only [^\n]*", str(err))
+                if refused is not None and unbuildable is not None:
+                    # Allowed classes, pickled in a way the weights-only unpickler never rebuilds: registering
+                    # them (again) cannot help, so this error must not advise it.
+                    raise CheckpointError(
+                        f"Could not load {display}: it holds an object ({refused}) that loading without running "
+                        f"code cannot rebuild, even when its class is registered ({unbuildable.group(0)}). "
+                        "Re-save the checkpoint with plain values (dicts, lists, numbers, strings, tensors) in "
+                        "its hyper-parameters and states."
+                    ) from None
             if refused is not None:
                 raise CheckpointError(
                     f"Refused to load {display}: it asks to call or construct {refused} while loading, and "
@@ -371,13 +400,34 @@ class TorchCheckpointIO(CheckpointIO):
     # ---------------------------------------------------------------- remove
 
     def remove_checkpoint(self, path: PathLike) -> None:
-        """Delete the checkpoint at ``path``; its commit marker goes first, so it is never half-picked."""
+        """Delete the checkpoint at ``path``; its commit marker goes first, so it is never half-picked.
+
+        A link (``save_last="link"``) is removed as a link, never what it points to. A sharded folder
+        loses only the files its writer wrote (``DistributedCheckpointIO.remove_checkpoint``); any
+        other folder holds nothing this IO wrote, and is kept, with a warning.
+        """
         fs, fs_path = self._resolve(path)
+        if is_local(fs) and os.path.islink(fs_path):
+            os.remove(fs_path)
+            return
+        if fs.isdir(fs_path):
+            from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO, is_sharded_checkpoint
+
+            if is_sharded_checkpoint(path, self.storage_options):
+                DistributedCheckpointIO(self.storage_options).remove_checkpoint(path)
+            else:
+                from trainer_core.utilities import rank_zero_warn
+
+                rank_zero_warn(
+                    f"Did not remove {os.fspath(path)}: it is a folder, not a checkpoint file or a sharded "
+                    "checkpoint, so trainer-core wrote nothing in it. Remove it yourself if it is not needed."
+                )
+            return
         marker = commit_marker_path(fs_path)
         if not is_local(fs) and fs.exists(marker):
             fs.rm(marker)
         if fs.exists(fs_path):
-            fs.rm(fs_path, recursive=True)
+            fs.rm(fs_path)
 
 
 class ShortReadError(OSError):

@@ -407,12 +407,12 @@ class Settings:
 def test_user_class_needs_registering(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ckpt_format, "_user_safe_globals", [])
     path = str(tmp_path / "hparams.ckpt")
-    torch.save({**make_checkpoint(), "hyper_parameters": Settings(width=3)}, path)
+    torch.save({**make_checkpoint(), "hyper_parameters": {"settings": Settings(width=3)}}, path)
 
     with pytest.raises(CheckpointError, match=re.escape(path) + ".*Settings.*register_safe_globals"):
         TorchCheckpointIO().load_checkpoint(path)
     register_safe_globals(Settings)
-    assert TorchCheckpointIO().load_checkpoint(path)["hyper_parameters"].width == 3
+    assert TorchCheckpointIO().load_checkpoint(path)["hyper_parameters"]["settings"].width == 3
 
 
 def test_weights_only_checkpoint_cannot_resume() -> None:

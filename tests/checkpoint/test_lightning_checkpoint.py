@@ -24,7 +24,7 @@ import torch
 from launch import JOBS, job_env
 from lightning_resume_job import CoreNet, Steps, train_loader, val_loader
 
-from trainer_core import Trainer
+from trainer_core import LightningModule, Trainer
 from trainer_core.callbacks.base import Callback
 from trainer_core.callbacks.early_stopping import EarlyStopping
 from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
@@ -511,3 +511,206 @@ def test_resume_on_two_ranks(lightning_runs: dict[str, LightningRun], tmp_path: 
         assert [tuple(pair) for pair in record["seen"]] == run.model.seen[3:]
         for name, tensor in run.model.state_dict().items():
             assert torch.equal(record["weights"][name], tensor), (rank, name)
+
+
+# ---------------------------------------------------------------------- Lightning's hyper-parameter types
+class ConfigNet(LightningModule):
+    """A module whose ``__init__`` takes Lightning's containers: an ``AttributeDict`` and an ``argparse.Namespace``."""
+
+    def __init__(self, cfg: Any = None, args: Any = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Linear(4, 2)
+
+
+#: Where Lightning's ``AttributeDict`` lives, as checkpoints name it: the ``lightning`` package,
+#: ``lightning_fabric``/``pytorch_lightning`` (2.x, the first is what PL 2.6 writes) and the 1.x name.
+ATTRIBUTE_DICT_MODULES = [
+    "lightning.fabric.utilities.data",
+    "lightning_fabric.utilities.data",
+    "lightning.pytorch.utilities.parsing",
+    "pytorch_lightning.utilities.parsing",
+]
+LIGHTNING_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning")
+
+
+def _lightning_attribute_dict(monkeypatch: pytest.MonkeyPatch, module_name: str) -> type:
+    """A class that pickles as Lightning's ``AttributeDict`` of ``module_name``, from fake modules."""
+    import types
+
+    parts = module_name.split(".")
+    for end in range(1, len(parts) + 1):
+        monkeypatch.setitem(sys.modules, ".".join(parts[:end]), types.ModuleType(".".join(parts[:end])))
+    cls = type("AttributeDict", (dict,), {"__module__": module_name})
+    sys.modules[module_name].AttributeDict = cls  # type: ignore[attr-defined]
+    return cls
+
+
+def _lightning_file(path: Path, hyper_parameters: dict[str, Any], state_dict: dict[str, Any]) -> Path:
+    torch.save(
+        {
+            "epoch": 0,
+            "global_step": 0,
+            "pytorch-lightning_version": "2.6.6",
+            "state_dict": state_dict,
+            "hyper_parameters": hyper_parameters,
+            "hparams_name": "kwargs",
+        },
+        path,
+    )
+    return path
+
+
+@pytest.mark.parametrize("module_name", ATTRIBUTE_DICT_MODULES)
+def test_lightning_attribute_dict_and_namespace_load_without_lightning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module_name: str
+) -> None:
+    """No ``register_safe_globals`` needed, and no Lightning: its containers load as trainer-core's own."""
+    import argparse
+
+    from trainer_core.utilities import AttributeDict
+
+    state_dict = ConfigNet().state_dict()
+    with monkeypatch.context() as writing:  # Lightning's modules exist only while the file is written
+        lightning_dict = _lightning_attribute_dict(writing, module_name)
+        inner = lightning_dict(depth=2)
+        cfg = lightning_dict(width=3, inner=inner, again=inner)
+        hparams = {"cfg": cfg, "args": argparse.Namespace(lr=0.3, layers=[4, 4])}
+        path = _lightning_file(tmp_path / "lightning.ckpt", hparams, state_dict)
+    for package in LIGHTNING_PACKAGES:  # `import lightning` fails, as where it is not installed
+        monkeypatch.setitem(sys.modules, package, None)
+
+    model = ConfigNet.load_from_checkpoint(path)
+
+    cfg = model.hparams.cfg
+    assert type(cfg) is AttributeDict and type(cfg.inner) is AttributeDict
+    assert (cfg.width, cfg.inner.depth) == (3, 2) and cfg.inner is cfg.again
+    assert type(model.hparams.args) is argparse.Namespace and vars(model.hparams.args) == {
+        "lr": 0.3,
+        "layers": [4, 4],
+    }
+    assert all(torch.equal(tensor, state_dict[name]) for name, tensor in model.state_dict().items())
+
+
+def test_the_attribute_dict_pytorch_lightning_writes_loads(tmp_path: Path) -> None:
+    """The real classes of the installed PyTorch Lightning, pickled as it pickles them."""
+    from lightning_fabric.utilities.data import AttributeDict as FabricAttributeDict
+    from pytorch_lightning.utilities.parsing import AttributeDict as ParsingAttributeDict
+
+    state_dict = ConfigNet().state_dict()
+    hparams = {"cfg": FabricAttributeDict(width=3), "args": ParsingAttributeDict(lr=0.3)}
+    model = ConfigNet.load_from_checkpoint(_lightning_file(tmp_path / "pl.ckpt", hparams, state_dict))
+    assert model.hparams.cfg.width == 3 and model.hparams.args.lr == 0.3
+
+
+# ---------------------------------------------------------------------- malformed Lightning checkpoints
+def _hand_made_lightning_checkpoint() -> dict[str, Any]:
+    """A checkpoint in Lightning's layout of CoreNet (Adam, StepLR) after one step, in the middle of epoch 0."""
+    torch.manual_seed(0)
+    model = CoreNet()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model.net(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    one = {"ready": 1, "started": 1, "processed": 1, "completed": 1}
+    return {
+        "epoch": 0,
+        "global_step": 1,
+        "pytorch-lightning_version": pl.__version__,
+        "state_dict": model.state_dict(),
+        "optimizer_states": [optimizer.state_dict()],
+        "lr_schedulers": [scheduler.state_dict()],
+        "loops": {
+            "fit_loop": {
+                "epoch_progress": {"current": {"ready": 1, "started": 1, "processed": 0, "completed": 0}},
+                "epoch_loop.batch_progress": {
+                    "current": dict(one),
+                    "total": dict(one),
+                    "is_last_batch": False,
+                },
+                "epoch_loop.state_dict": {"_batches_that_stepped": 1},
+            }
+        },
+        "callbacks": {},
+        "hyper_parameters": {"hidden": 8, "lr": 0.05, "optim": "adam"},
+        "hparams_name": "kwargs",
+    }
+
+
+def _fit_loop(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    return checkpoint["loops"]["fit_loop"]
+
+
+LIGHTNING_EDITS = [
+    # (edit, the key and value the error names)
+    (lambda c: c.update(epoch=float("nan")), "'epoch': float nan"),
+    (lambda c: c.update(global_step=-3), "'global_step': int -3"),
+    (lambda c: c.update(state_dict=[1]), "'state_dict': a list"),
+    (lambda c: c.update(optimizer_states={"state": {}}), "'optimizer_states': a dict"),
+    (lambda c: c["optimizer_states"][0].update(state=[1]), "'optimizer_states[0]': its 'state' is a list"),
+    (
+        lambda c: c["optimizer_states"][0]["state"].update({0: 5}),
+        "'optimizer_states[0]': 'state[0]' is int 5 (expected a dict)",
+    ),
+    (
+        lambda c: c["optimizer_states"][0].update(param_groups="all"),
+        "'optimizer_states[0]': its 'param_groups' is a str",
+    ),
+    (
+        lambda c: c["optimizer_states"][0]["param_groups"][0].update(params=[[0]]),
+        "'optimizer_states[0]': 'param_groups[0].params' is a list",
+    ),
+    (lambda c: c.update(lr_schedulers=[1]), "'lr_schedulers': a list with an item of type int"),
+    (lambda c: c.update(loops=[1]), "'loops': a list"),
+    (lambda c: _fit_loop(c).update(epoch_progress=[1]), "'loops.fit_loop.epoch_progress': a list"),
+    (
+        lambda c: _fit_loop(c)["epoch_progress"]["current"].update(ready="1"),
+        "'loops.fit_loop.epoch_progress.current.ready': '1'",
+    ),
+    (
+        lambda c: _fit_loop(c)["epoch_loop.batch_progress"]["total"].update(processed=-1),
+        "'loops.fit_loop.epoch_loop.batch_progress.total.processed': -1",
+    ),
+    (
+        lambda c: _fit_loop(c)["epoch_loop.batch_progress"].update(is_last_batch="yes"),
+        "'loops.fit_loop.epoch_loop.batch_progress.is_last_batch': a str",
+    ),
+    (
+        lambda c: _fit_loop(c)["epoch_loop.state_dict"].update(_batches_that_stepped=float("nan")),
+        "'loops.fit_loop.epoch_loop.state_dict._batches_that_stepped': nan",
+    ),
+    (lambda c: c.update(callbacks=["ModelCheckpoint"]), "'callbacks': a list"),
+    (lambda c: c.update(MixedPrecision=torch.tensor([1.0, 2.0])), "'MixedPrecision': a Tensor"),
+    (lambda c: c.update(hyper_parameters="hidden=8"), "'hyper_parameters': a str"),
+]
+
+
+def test_the_hand_made_lightning_checkpoint_resumes(tmp_path: Path) -> None:
+    """The base of the edits below is a checkpoint trainer-core resumes (so each edit is what is refused)."""
+    path = tmp_path / "base.ckpt"
+    torch.save(_hand_made_lightning_checkpoint(), path)
+    model, trainer = _resume(path, 8, "adam", max_steps=3)
+    assert trainer.global_step == 3 and model.seen[0] == (0, 1)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"), LIGHTNING_EDITS, ids=[case[1].split(":")[0] for case in LIGHTNING_EDITS]
+)
+def test_a_lightning_value_of_the_wrong_kind_names_the_file_and_key(
+    tmp_path: Path, edit: Any, match: str
+) -> None:
+    checkpoint = _hand_made_lightning_checkpoint()
+    edit(checkpoint)
+    path = tmp_path / "edited.ckpt"
+    torch.save(checkpoint, path)
+    model = CoreNet()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    trainer = Trainer(**{**QUIET, "enable_checkpointing": False, "max_steps": 3})
+    expected = re.escape(str(path)) + r".*has an invalid " + re.escape(match)
+
+    with pytest.raises(CheckpointError, match=expected):
+        trainer.fit(model, train_loader(), val_loader(), ckpt_path=str(path))
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
+    assert trainer.global_step == 0 and all(opt.state_dict()["state"] == {} for opt in trainer.optimizers)
+    with pytest.raises(CheckpointError, match=expected):
+        from_lightning(torch.load(path, weights_only=True), None, str(path))

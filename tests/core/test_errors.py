@@ -280,3 +280,158 @@ def test_checkpoint_callback_with_checkpointing_disabled():
 
     with pytest.raises(MisconfigurationException, match=r"enable_checkpointing=False"):
         Trainer(enable_checkpointing=False, callbacks=[ModelCheckpoint()])
+
+
+# ---------------------------------------------------------------------- checkpoint values of the wrong kind
+def _nan_epoch(checkpoint: dict) -> None:
+    checkpoint["epoch"] = float("nan")
+
+
+WRONG_VALUES = [
+    # (edit of a trainer-core checkpoint, the key the error names)
+    (lambda c: c.update(epoch="1"), "'epoch': a str"),
+    (_nan_epoch, "'epoch': float nan"),
+    (lambda c: c.update(global_step=-1), "'global_step': int -1"),
+    (lambda c: c.update(global_step=True), "'global_step': bool True"),
+    (lambda c: c.update(state_dict=[1, 2]), "'state_dict': a list"),
+    (
+        lambda c: c.update(state_dict={**c["state_dict"], 3: torch.ones(1)}),
+        "'state_dict': a dict with the key int 3",
+    ),
+    (lambda c: c.update(optimizer_states={"state": {}}), "'optimizer_states': a dict"),
+    (lambda c: c.update(optimizer_states=[1]), "'optimizer_states': a list with an item of type int"),
+    (lambda c: c.update(lr_schedulers="StepLR"), "'lr_schedulers': a str"),
+    (lambda c: c.update(loops=[0]), "'loops': a list"),
+    (lambda c: c["loops"].update(epoch=-2), "'loops.epoch': int -2"),
+    (lambda c: c["loops"].update(epoch_finished="no"), "'loops.epoch_finished': a str"),
+    (lambda c: c["loops"].update(batches_that_stepped=1.5), "'loops.batches_that_stepped': float 1.5"),
+    (lambda c: c.update(callbacks=["ModelCheckpoint"]), "'callbacks': a list"),
+    (lambda c: c.update(rng_states=3), "'rng_states': int 3"),
+    (lambda c: c.update(precision=[1.0]), "'precision': a list"),
+    (lambda c: c.update(hyper_parameters=[1, 2]), "'hyper_parameters': a list"),
+    (lambda c: c.update(hparams_name=["hparams"]), "'hparams_name': a list"),
+    (lambda c: c["optimizer_states"][0].update(state=[1]), "'optimizer_states[0]': its 'state' is a list"),
+    (
+        lambda c: c["optimizer_states"][0]["param_groups"][0].update(params=5),
+        "'optimizer_states[0]': 'param_groups[0].params' is int 5",
+    ),
+    (
+        lambda c: c["optimizer_states"][0]["param_groups"][0].update(lr="0.1"),
+        "'optimizer_states[0]': 'param_groups[0].lr' is a str",
+    ),
+    (
+        lambda c: c["optimizer_states"][0]["param_groups"][0].update(momentum="0.9"),
+        "'optimizer_states[0]': 'param_groups[0].momentum' is a str",
+    ),
+    (
+        lambda c: c["optimizer_states"][0]["param_groups"][0].update(betas=1.5),
+        "'optimizer_states[0]': 'param_groups[0].betas' is float 1.5",
+    ),
+    (
+        lambda c: c["optimizer_states"][0]["param_groups"][0].update(betas=(0.9, 1.5)),
+        "'optimizer_states[0]': 'param_groups[0].betas' is a tuple",
+    ),
+    (
+        lambda c: c["optimizer_states"][0]["param_groups"][0].update(lr=float("inf")),
+        "'optimizer_states[0]': 'param_groups[0].lr' is float inf",
+    ),
+    (
+        lambda c: c["optimizer_states"][0]["state"].update({"layer.weight": {"step": torch.tensor(-1e30)}}),
+        "'optimizer_states[0]': 'state['layer.weight'].step' is a Tensor",
+    ),
+    (
+        lambda c: c["optimizer_states"][0]["state"].update({"layer.weight": {"step": torch.ones(3)}}),
+        "'optimizer_states[0]': 'state['layer.weight'].step' is a Tensor",
+    ),
+    (
+        lambda c: c["optimizer_states"][0]["param_groups"][0].update(nesterov=1),
+        "'optimizer_states[0]': 'param_groups[0].nesterov' is int 1",
+    ),
+    (
+        lambda c: c["optimizer_states"][0]["state"].update({"layer.weight": {"momentum_buffer": {}}}),
+        "'optimizer_states[0]': 'state['layer.weight'].momentum_buffer' is a dict",
+    ),
+    (lambda c: c["loops"].update(per_rank=2), "'loops.per_rank': int 2"),
+    (lambda c: c["rng_states"].update(torch=5), "'rng_states': the random generators do not take it"),
+    (lambda c: c["rng_states"].update(python=(3,)), "'rng_states': the random generators do not take it"),
+    (lambda c: c.update(rng_states_per_rank=4), "'rng_states_per_rank': int 4"),
+]
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    trainer = fast_trainer(max_steps=2)
+    trainer.fit(Model(), _loader())
+    path = tmp_path_factory.mktemp("saved") / "model.ckpt"
+    trainer.save_checkpoint(path)
+    return torch.load(path, weights_only=True)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"), WRONG_VALUES, ids=[case[1].split(":")[0] for case in WRONG_VALUES]
+)
+def test_a_checkpoint_value_of_the_wrong_kind_names_the_file_and_key(saved_checkpoint, tmp_path, edit, match):
+    """Each is one CheckpointError before anything loads: the model and the optimizer stay as they were."""
+    import copy
+    import re
+
+    from trainer_core.errors import CheckpointError
+
+    checkpoint = copy.deepcopy(saved_checkpoint)
+    edit(checkpoint)
+    path = tmp_path / "edited.ckpt"
+    torch.save(checkpoint, path)
+    model = Model()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    trainer = fast_trainer(max_steps=4)
+
+    with pytest.raises(CheckpointError, match=re.escape(str(path)) + " has an invalid " + re.escape(match)):
+        trainer.fit(model, _loader(), ckpt_path=str(path))
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
+    assert trainer.global_step == 0 and all(opt.state_dict()["state"] == {} for opt in trainer.optimizers)
+
+
+def test_a_weight_that_is_not_a_tensor_is_named(saved_checkpoint, tmp_path):
+    import copy
+    import re
+
+    from trainer_core.errors import CheckpointError
+
+    checkpoint = copy.deepcopy(saved_checkpoint)
+    checkpoint["state_dict"]["layer.weight"] = "0.5"
+    path = tmp_path / "edited.ckpt"
+    torch.save(checkpoint, path)
+    model = Model()
+    before = model.layer.weight.detach().clone()
+
+    with pytest.raises(
+        CheckpointError, match=r"(?s)" + re.escape(str(path)) + r".*not a tensor.*layer\.weight: str"
+    ):
+        fast_trainer(max_steps=4).fit(model, _loader(), ckpt_path=str(path))
+    with pytest.raises(
+        CheckpointError, match=r"(?s)" + re.escape(str(path)) + r".*not a tensor.*layer\.weight: str"
+    ):
+        Model.load_from_checkpoint(path)
+    assert torch.equal(model.layer.weight, before)
+
+
+def test_optimizer_state_of_another_shape_is_refused_before_the_weights_load(saved_checkpoint, tmp_path):
+    """It would load without complaint and fail the first step, after the weights had loaded."""
+    import copy
+    import re
+
+    from trainer_core.errors import CheckpointError
+
+    checkpoint = copy.deepcopy(saved_checkpoint)
+    checkpoint["optimizer_states"][0]["state"]["layer.weight"] = {"momentum_buffer": torch.zeros(7)}
+    path = tmp_path / "edited.ckpt"
+    torch.save(checkpoint, path)
+    model = Model()
+    before = model.layer.weight.detach().clone()
+
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(str(path)) + r".*layer\.weight: momentum_buffer \(7,\) vs parameter \(1, 3\)",
+    ):
+        fast_trainer(max_steps=4).fit(model, _loader(), ckpt_path=str(path))
+    assert torch.equal(model.layer.weight, before)

@@ -8,19 +8,26 @@ from the future instead of guessing.
 Loading never unpickles freely (``torch.load(..., weights_only=True)``). The few non-tensor types the
 format legitimately contains (numpy's RNG state is an ``ndarray``) are listed in :func:`safe_globals`;
 a user whose hyper-parameters hold a class of their own registers it with :func:`register_safe_globals`.
+Lightning's hyper-parameter containers (its ``AttributeDict``, ``argparse.Namespace``) load by default,
+without Lightning installed: see :func:`load_weights_only`.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextvars
+import functools
+import math
 from collections.abc import Mapping
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
 
 from trainer_core.__about__ import __version__
 from trainer_core.errors import CheckpointError
-from trainer_core.utilities import listing
+from trainer_core.utilities import AttributeDict, listing
+from trainer_core.utilities.nesting import nesting_problem
 
 FORMAT_VERSION = 1
 #: The ``format_version`` of a file whose frozen tensors are stored apart, as blob references (``KEY_BLOBS``):
@@ -126,9 +133,58 @@ def _numpy_safe_globals() -> list[SafeGlobal]:
     return allowed
 
 
+#: Where PyTorch Lightning (both packagings, 1.x and 2.x) and trainer-core define the ``AttributeDict`` that
+#: ``self.hparams`` is: a checkpoint holds one when a hyper-parameter was another module's ``hparams``.
+ATTRIBUTE_DICT_NAMES = (
+    "lightning.fabric.utilities.data.AttributeDict",
+    "lightning_fabric.utilities.data.AttributeDict",
+    "lightning.pytorch.utilities.parsing.AttributeDict",
+    "pytorch_lightning.utilities.parsing.AttributeDict",
+    "trainer_core.utilities.AttributeDict",
+)
+
+# The containers the stand-ins made during the load in progress (see load_weights_only), with their classes.
+_made_containers: contextvars.ContextVar[Optional[list[tuple[Any, type]]]] = contextvars.ContextVar(
+    "trainer_core_made_containers", default=None
+)
+
+
+@functools.cache
+def _stand_in(target: type) -> type:
+    """What a checkpoint's dict or list subclass ``target`` unpickles as: a plain one, made ``target`` after the load.
+
+    torch's weights-only unpickler fills only exact ``dict``s and ``list``s (its ``SETITEMS`` and
+    ``APPENDS`` refuse a subclass, even a registered one), so the stand-in's ``__new__`` returns a
+    plain container and notes it; :func:`load_weights_only` then gives it its class (without calling
+    its ``__init__``). Nothing of the file's choosing runs.
+    """
+    plain = dict if issubclass(target, dict) else list
+
+    class StandIn:
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            made = plain()
+            pending = _made_containers.get()
+            if pending is not None:
+                pending.append((made, target))
+            return made
+
+    StandIn.__qualname__ = f"StandIn[{target.__qualname__}]"
+    return StandIn
+
+
 def safe_globals() -> list[SafeGlobal]:
     """Everything beyond tensors and plain containers that a checkpoint may name when it is loaded."""
-    return [*_numpy_safe_globals(), *_user_safe_globals]
+    # argparse.Namespace: Lightning's hyper-parameters of `save_hyperparameters(args)`; building one sets
+    # attributes of that instance only.
+    lightning: list[SafeGlobal] = [argparse.Namespace]
+    lightning += [(_stand_in(AttributeDict), name) for name in ATTRIBUTE_DICT_NAMES]
+    user: list[SafeGlobal] = [
+        (_stand_in(obj), f"{obj.__module__}.{obj.__qualname__}")
+        if isinstance(obj, type) and issubclass(obj, (dict, list))
+        else obj
+        for obj in _user_safe_globals
+    ]
+    return [*_numpy_safe_globals(), *lightning, *user]
 
 
 def register_safe_globals(*objects: SafeGlobal) -> None:
@@ -138,6 +194,63 @@ def register_safe_globals(*objects: SafeGlobal) -> None:
     loading refuses any global that is not registered, because unpickling one can run code.
     """
     _user_safe_globals.extend(objects)
+
+
+def load_weights_only(load: Callable[[], Any], path: str) -> Any:
+    """``load()`` (a ``torch.load(..., weights_only=True)`` of ``path``) with :func:`safe_globals` allowed.
+
+    What it returns is checked to be walkable (:func:`~trainer_core.utilities.nesting.nesting_problem`:
+    not nested too deep, not containing itself, not a "billion laughs" of shared references), and the
+    containers that stand-ins made get their class (Lightning's ``AttributeDict`` becomes trainer-core's).
+    Raises :class:`CheckpointError` naming ``path``; torch's own errors pass through to the caller.
+    """
+    made: list[tuple[Any, type]] = []
+    token = _made_containers.set(made)
+    try:
+        with torch.serialization.safe_globals(safe_globals()):
+            loaded = load()
+    finally:
+        _made_containers.reset(token)
+    problem = nesting_problem(loaded)
+    if problem is not None:
+        raise CheckpointError(
+            f"{path} {problem}; no checkpoint trainer-core or Lightning writes does. It was crafted or "
+            "damaged: use another checkpoint."
+        )
+    if made:
+        targets = {id(plain): target for plain, target in made}
+        loaded = _with_classes(loaded, targets, {})
+    return loaded
+
+
+def _with_classes(value: Any, targets: dict[int, type], done: dict[int, Any]) -> Any:
+    """``value`` with each container a stand-in made (``targets``: id to class) as an instance of its class.
+
+    Recursive: only called on what :func:`nesting_problem` passed (shallow, no cycles); ``done``
+    keeps a container referenced twice one object.
+    """
+    key = id(value)
+    if key in done:
+        return done[key]
+    result = value
+    if isinstance(value, dict):
+        for name, item in value.items():
+            value[name] = _with_classes(item, targets, done)
+        if key in targets:
+            result = dict.__new__(targets[key])
+            dict.update(result, value)
+    elif type(value) is list:
+        value[:] = [_with_classes(item, targets, done) for item in value]
+        if key in targets:
+            result = list.__new__(targets[key])
+            list.extend(result, value)
+    elif type(value) is tuple:
+        result = tuple(_with_classes(item, targets, done) for item in value)
+    elif isinstance(getattr(value, "__dict__", None), dict) and not isinstance(value, torch.Tensor):
+        for name, item in vars(value).items():
+            vars(value)[name] = _with_classes(item, targets, done)
+    done[key] = result
+    return result
 
 
 def _describe_foreign(checkpoint: Mapping[Any, Any]) -> str:
@@ -173,6 +286,7 @@ def validate_checkpoint(
             f"{path} is not a trainer-core checkpoint: it holds a {type(checkpoint).__name__}, not a dict. "
             "Write checkpoints with trainer.save_checkpoint(path)."
         )
+    _check_value_types(checkpoint, path)
     if accept_lightning and KEY_FORMAT_VERSION not in checkpoint and KEY_LIGHTNING_VERSION in checkpoint:
         missing = [key for key in (KEY_EPOCH, KEY_GLOBAL_STEP, KEY_STATE_DICT) if key not in checkpoint]
         if missing:
@@ -212,6 +326,258 @@ def validate_checkpoint(
                 "weights_only=True?), so training cannot resume from it. Load the weights with "
                 "LightningModule.load_from_checkpoint, or resume from a full checkpoint."
             )
+        _check_rng_states(checkpoint, path)
+
+
+def _is_count(value: Any) -> bool:
+    """A step or epoch counter: an int (not a bool, so not NaN or a float either), never negative."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_list_of_mappings(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(item, Mapping) for item in value)
+
+
+def _is_hparams(value: Any) -> bool:
+    return value is None or (isinstance(value, Mapping) and all(isinstance(key, str) for key in value))
+
+
+#: What each top-level key holds when present, in both this format and Lightning's: (test, description).
+_VALUE_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    KEY_EPOCH: (_is_count, "a non-negative int"),
+    KEY_GLOBAL_STEP: (_is_count, "a non-negative int"),
+    KEY_STATE_DICT: (
+        lambda value: isinstance(value, Mapping) and all(isinstance(key, str) for key in value),
+        "a dict of tensors by parameter name",
+    ),
+    KEY_OPTIMIZER_STATES: (_is_list_of_mappings, "a list of optimizer state dicts"),
+    KEY_LR_SCHEDULERS: (_is_list_of_mappings, "a list of scheduler state dicts"),
+    KEY_LOOPS: (lambda value: isinstance(value, Mapping), "a dict"),
+    KEY_CALLBACKS: (lambda value: isinstance(value, Mapping), "a dict of callback states by state key"),
+    KEY_RNG: (lambda value: isinstance(value, Mapping), "a dict"),
+    KEY_RNG_PER_RANK: (_is_list_of_mappings, "a list of dicts, one per rank"),
+    KEY_PRECISION: (lambda value: value is None or isinstance(value, Mapping), "a dict"),
+    KEY_HPARAMS: (_is_hparams, "a dict of hyper-parameters by name"),
+    KEY_DATAMODULE_HPARAMS: (_is_hparams, "a dict of hyper-parameters by name"),
+    KEY_HPARAMS_NAME: (lambda value: value is None or isinstance(value, str), "an argument name"),
+    KEY_DATAMODULE_HPARAMS_NAME: (lambda value: value is None or isinstance(value, str), "an argument name"),
+}
+#: The loop position ``Progress.load_state_dict`` reads from ``KEY_LOOPS`` (checked where present).
+_LOOP_COUNTS = (LOOP_EPOCH, LOOP_BATCHES_DONE, LOOP_TOTAL_BATCH_IDX, LOOP_BATCHES_THAT_STEPPED)
+_LOOP_FLAGS = (LOOP_EPOCH_FINISHED, LOOP_VALIDATED_LAST_BATCH)
+
+
+def _check_value_types(checkpoint: Mapping[Any, Any], path: str) -> None:
+    """Raise :class:`CheckpointError` naming ``path`` and the key whose value is of the wrong kind.
+
+    Checked before anything reads the values, so an edited or crafted file is one clear error and
+    never a ``TypeError`` from deep inside a restore, with the model unchanged.
+    """
+    for key, (is_valid, expected) in _VALUE_TYPES.items():
+        if key in checkpoint and not is_valid(checkpoint[key]):
+            raise CheckpointError(
+                f"{path} has an invalid {key!r}: {_describe(checkpoint[key])} (expected {expected}). The file "
+                "was edited or written by a broken writer; use another checkpoint."
+            )
+    # torch's optimizer states key parameters by index (Lightning's files); this format, by name.
+    key_type = str if KEY_FORMAT_VERSION in checkpoint else int
+    for index, state in enumerate(checkpoint.get(KEY_OPTIMIZER_STATES, [])):
+        problem = _optimizer_state_problem(state, key_type)
+        if problem is not None:
+            raise CheckpointError(
+                f"{path} has an invalid '{KEY_OPTIMIZER_STATES}[{index}]': {problem}. The file was edited or "
+                "written by a broken writer; use another checkpoint."
+            )
+    if KEY_FORMAT_VERSION not in checkpoint:
+        return  # Lightning's loops have their own layout (checkpoint/lightning.py checks it)
+    loops = checkpoint.get(KEY_LOOPS)
+    if not isinstance(loops, Mapping):
+        return
+    per_rank = loops.get(LOOP_PER_RANK, [])
+    if not _is_list_of_mappings(per_rank):
+        raise CheckpointError(
+            f"{path} has an invalid '{KEY_LOOPS}.{LOOP_PER_RANK}': {_describe(per_rank)} (expected a list of "
+            "dicts, one per rank). The file was edited or written by a broken writer; use another checkpoint."
+        )
+    for name, is_valid, expected in [
+        *((name, _is_count, "a non-negative int") for name in _LOOP_COUNTS),
+        *((name, lambda value: isinstance(value, bool), "True or False") for name in _LOOP_FLAGS),
+    ]:
+        if name in loops and not is_valid(loops[name]):
+            raise CheckpointError(
+                f"{path} has an invalid '{KEY_LOOPS}.{name}': {_describe(loops[name])} (expected {expected}). "
+                "The file was edited or written by a broken writer; use another checkpoint."
+            )
+
+
+def _optimizer_state_problem(state: Mapping[str, Any], key_type: type) -> Optional[str]:
+    """What is wrong with the layout of an optimizer state whose parameters are ``key_type`` keys, or ``None``."""
+    kind = "parameter name" if key_type is str else "parameter index"
+
+    def is_key(key: Any) -> bool:
+        return isinstance(key, key_type) and not isinstance(key, bool)
+
+    per_parameter = state.get("state", {})
+    if not isinstance(per_parameter, Mapping):
+        return f"its 'state' is {_describe(per_parameter)} (expected a dict by {kind})"
+    for key, values in per_parameter.items():
+        if not is_key(key):
+            return f"its 'state' has the key {_describe(key)} (expected a {kind})"
+        if not isinstance(values, Mapping):
+            return f"'state[{key!r}]' is {_describe(values)} (expected a dict)"
+        for name, value in values.items():
+            if (name in PER_ELEMENT_OPTIMIZER_STATE and not _is_tensor(value)) or (
+                name == "step" and not _is_count_like(value)
+            ):
+                expected = "a non-negative number" if name == "step" else "a tensor"
+                return f"'state[{key!r}].{name}' is {_describe(value)} (expected {expected})"
+    groups = state.get("param_groups", [])
+    if not _is_list_of_mappings(groups):
+        return f"its 'param_groups' is {_describe(groups)} (expected a list of dicts)"
+    for number, group in enumerate(groups):
+        params = group.get("params", [])
+        if not isinstance(params, (list, tuple)) or not all(is_key(key) for key in params):
+            return f"'param_groups[{number}].params' is {_describe(params)} (expected a list of {kind}s)"
+        names = group.get(
+            "param_names", []
+        )  # torch's own copy of the names (optimizers of named_parameters())
+        if not isinstance(names, (list, tuple)):
+            return f"'param_groups[{number}].param_names' is {_describe(names)} (expected a list)"
+        for name, value in group.items():
+            problem = _hyperparameter_problem(name, value)
+            if problem is not None:
+                return f"'param_groups[{number}].{name}' is {_describe(value)} (expected {problem})"
+    return None
+
+
+#: State that torch's optimizers keep per element of a parameter: a tensor of the parameter's shape.
+PER_ELEMENT_OPTIMIZER_STATE = frozenset(
+    {
+        "exp_avg",
+        "exp_avg_sq",
+        "max_exp_avg_sq",
+        "exp_inf",
+        "momentum_buffer",
+        "square_avg",
+        "grad_avg",
+        "acc_delta",
+        "sum",
+        "ax",
+        "prev",
+        "step_size",
+        "variance",
+    }
+)
+#: torch's optimizers' hyper-parameters of one kind, checked because a wrong one passes the load and then
+#: fails the first step, after the weights loaded. (``eps`` is a pair in Adafactor; others are not checked.)
+_NUMBER_HPARAMS = frozenset({"momentum", "dampening", "weight_decay", "alpha", "rho", "lr_decay"})
+_FLAG_HPARAMS = frozenset(
+    {"nesterov", "amsgrad", "maximize", "centered", "capturable", "differentiable", "foreach", "fused"}
+)
+
+
+def _is_tensor(value: Any) -> bool:
+    # Or a tensor not read yet (checkpoint/stream.py's LazyTensor, in a sharded folder the CLI inspects).
+    return isinstance(value, torch.Tensor) or (hasattr(value, "shape") and hasattr(value, "dtype"))
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) or _is_tensor(value)
+
+
+def _scalar(value: Any) -> Optional[float]:
+    """A number or a plain one-element tensor as a float; ``None`` for what is not read here (a DTensor)."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    if type(value) is torch.Tensor and value.numel() == 1 and not value.is_meta:
+        return float(value.item())
+    return None
+
+
+def _is_count_like(value: Any) -> bool:
+    """A number (or a one-element tensor) that is finite and not negative: torch's ``step``, a learning rate."""
+    if not _is_number(value) or (isinstance(value, torch.Tensor) and value.numel() != 1):
+        return False
+    number = _scalar(value)
+    return number is None or (math.isfinite(number) and number >= 0)
+
+
+def _hyperparameter_problem(name: str, value: Any) -> Optional[str]:
+    """What a saved param group's ``name`` should be when ``value`` is not that, else ``None``.
+
+    The ranges are those torch's optimizers check when built (and not when a state loads).
+    """
+    if name == "lr" and not (value is None or _is_count_like(value)):  # None: optimizers that find their own
+        return "a non-negative number"
+    if name in _NUMBER_HPARAMS and not _is_count_like(value):
+        return "a non-negative number"
+    if name == "betas" and not (
+        isinstance(value, (list, tuple))
+        and all(_is_number(beta) and (_scalar(beta) is None or 0 <= _scalar(beta) < 1) for beta in value)
+    ):
+        return "a pair of numbers from 0 to below 1"
+    if name in _FLAG_HPARAMS and not (value is None or isinstance(value, bool)):
+        return "True, False or None"
+    return None
+
+
+def _check_rng_states(checkpoint: Mapping[str, Any], path: str) -> None:
+    """Every saved generator state a resume may put back is one the generators take.
+
+    The states are put back only when the resumed run reaches them (the epoch's start), after the
+    weights loaded; so each is tried now, and the generators are given their own states back.
+    """
+    from trainer_core.checkpoint.rng import apply_rng_states, collect_rng_states
+
+    loops = checkpoint.get(KEY_LOOPS, {})
+    per_rank_loops = loops.get(LOOP_PER_RANK, [])
+    saved = [(KEY_RNG, checkpoint.get(KEY_RNG))]
+    saved += [
+        (f"{KEY_RNG_PER_RANK}[{rank}]", state)
+        for rank, state in enumerate(checkpoint.get(KEY_RNG_PER_RANK) or [])
+    ]
+    saved += [(f"{KEY_LOOPS}.{LOOP_EPOCH_START_RNG}", loops.get(LOOP_EPOCH_START_RNG))]
+    saved += [
+        (f"{KEY_LOOPS}.{LOOP_PER_RANK}[{rank}].{LOOP_EPOCH_START_RNG}", own.get(LOOP_EPOCH_START_RNG))
+        for rank, own in enumerate(per_rank_loops)
+    ]
+    own_states = collect_rng_states()
+    try:
+        for key, state in saved:
+            if state is None:
+                continue
+            try:
+                # The CUDA generators are not tried: that could initialize CUDA in a process that had not.
+                cuda = state.get("cuda", []) if isinstance(state, Mapping) else []
+                if not isinstance(cuda, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in cuda):
+                    raise TypeError(f"'cuda' is {_describe(cuda)}, not a list of tensors")
+                apply_rng_states({k: v for k, v in state.items() if k != "cuda"} if cuda else state)
+            except Exception as err:  # torch, numpy and random each raise their own kind
+                raise CheckpointError(
+                    f"{path} has an invalid {key!r}: the random generators do not take it ({type(err).__name__}: "
+                    f"{err}). The file was edited or written by a broken writer; use another checkpoint."
+                ) from None
+    finally:
+        apply_rng_states(own_states)
+
+
+def a_type(value: Any) -> str:
+    """``"a list"``, ``"an int"``: the type of a value from a bad file, for its error message."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _describe(value: Any) -> str:
+    """A value of a bad file, short: its type and, for a scalar, the value."""
+    if isinstance(value, (bool, int, float)) or value is None:
+        return f"{type(value).__name__} {value!r}"
+    if isinstance(value, Mapping) and not all(isinstance(key, str) for key in value):
+        bad = next(key for key in value if not isinstance(key, str))
+        return f"{a_type(value)} with the key {_describe(bad)}"
+    if isinstance(value, (list, tuple)) and not all(isinstance(item, Mapping) for item in value):
+        bad = next(item for item in value if not isinstance(item, Mapping))
+        return f"{a_type(value)} with an item of type {type(bad).__name__}"
+    return a_type(value)
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:
@@ -258,7 +624,11 @@ def check_state_dict_matches(
     unexpected = sorted(name for name in loaded if name not in expected)
     mismatched = []
     wrong_kind = []
+    not_tensors = []
     for name in sorted(set(expected) & set(loaded)):
+        if isinstance(expected[name], torch.Tensor) and not isinstance(loaded[name], torch.Tensor):
+            not_tensors.append(f"{name}: {type(loaded[name]).__name__}")
+            continue
         model_shape, ckpt_shape = _shape(expected[name]), _shape(loaded[name])
         if model_shape is not None and ckpt_shape is not None and model_shape != ckpt_shape:
             mismatched.append(f"{name}: checkpoint {ckpt_shape} vs model {model_shape}")
@@ -274,9 +644,11 @@ def check_state_dict_matches(
         problems.append(f"shape mismatch ({len(mismatched)}): {listing(mismatched)}")
     if wrong_kind:
         problems.append(f"dtype mismatch ({len(wrong_kind)}): {listing(wrong_kind)}")
+    if not_tensors:
+        problems.append(f"not a tensor in the checkpoint ({len(not_tensors)}): {listing(not_tensors)}")
     if problems:
         hint = "Load a checkpoint of this model, or change the model to match"
-        if strict and not mismatched and not wrong_kind:
+        if strict and not mismatched and not wrong_kind and not not_tensors:
             hint += "; pass strict=False to load only the names both have"
         raise CheckpointError(f"{path} does not match the model:\n  " + "\n  ".join(problems) + f"\n{hint}.")
     with_nan = sorted(name for name in set(expected) & set(loaded) if _has_nan(loaded[name]))

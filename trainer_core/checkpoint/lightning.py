@@ -91,6 +91,9 @@ from trainer_core.checkpoint.format import (
     LOOP_EPOCH_FINISHED,
     LOOP_TOTAL_BATCH_IDX,
     LOOP_VALIDATED_LAST_BATCH,
+    PER_ELEMENT_OPTIMIZER_STATE,
+    a_type,
+    validate_checkpoint,
 )
 from trainer_core.checkpoint.optimizer import optimizer_state_to_names, parameter_names
 from trainer_core.checkpoint.rng import collect_rng_states
@@ -114,25 +117,6 @@ _IS_LAST_BATCH = "is_last_batch"
 _PRECISION_KEYS = ("MixedPrecision", "FSDPPrecision", "native_amp_scaling_state")
 #: torch's copy of the parameter names in a param group (optimizers built from ``named_parameters()``).
 _TORCH_PARAM_NAMES = "param_names"
-#: State that torch's optimizers keep per element of a parameter, so with the parameter's shape.
-_PER_ELEMENT_STATE = frozenset(
-    {
-        "exp_avg",
-        "exp_avg_sq",
-        "max_exp_avg_sq",
-        "exp_inf",
-        "momentum_buffer",
-        "square_avg",
-        "grad_avg",
-        "acc_delta",
-        "sum",
-        "ax",
-        "prev",
-        "step_size",
-        "variance",
-    }
-)
-
 #: Lightning's built-in callbacks whose state trainer-core's callback of the same name loads as it is
 #: (same state key, same state layout; tests/checkpoint/test_lightning_checkpoint.py checks them).
 COMPATIBLE_CALLBACKS = frozenset({"ModelCheckpoint", "EarlyStopping", "Timer"})
@@ -187,8 +171,14 @@ def from_lightning(
     ``module`` is the module it will load into (``None`` when only its weights and hyper-parameters
     are wanted, as in ``load_from_checkpoint``); ``optimizers`` are the module's optimizers when they
     exist already. Without them the optimizer states wait for :func:`name_pending_optimizer_states`.
-    Tensors are shared with ``checkpoint``, not copied. Raises :class:`CheckpointError` naming ``path``.
+    Tensors are shared with ``checkpoint``, not copied. Raises :class:`CheckpointError` naming ``path``
+    and the key, for a value of the wrong kind too (``validate_checkpoint``), before anything is converted.
     """
+    validate_checkpoint(checkpoint, path, accept_lightning=True)
+    precision = next((checkpoint[key] for key in _PRECISION_KEYS if key in checkpoint), None)
+    if precision is not None and not isinstance(precision, Mapping):
+        key = next(key for key in _PRECISION_KEYS if key in checkpoint)
+        raise _invalid(path, key, precision, "a dict: the loss scaler's state")
     converted: dict[str, Any] = {k: v for k, v in checkpoint.items() if k not in _TRANSLATED}
     converted[KEY_FORMAT_VERSION] = FORMAT_VERSION
     converted[KEY_EPOCH] = checkpoint[KEY_EPOCH]
@@ -197,14 +187,15 @@ def from_lightning(
     converted[KEY_STATE_DICT] = plain_state_dict(checkpoint[KEY_STATE_DICT])
     trainer = getattr(module, "_trainer", None)
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)
-    converted[KEY_LOOPS] = loop_position(checkpoint, accumulate if isinstance(accumulate, int) else 1)
+    converted[KEY_LOOPS] = loop_position(
+        checkpoint, accumulate if isinstance(accumulate, int) else 1, path=path
+    )
     # Lightning does not save them: the generators as they stand now (see the module's docstring).
     converted[KEY_RNG] = collect_rng_states()
     if KEY_LR_SCHEDULERS in checkpoint:
         converted[KEY_LR_SCHEDULERS] = list(checkpoint[KEY_LR_SCHEDULERS])
     if KEY_CALLBACKS in checkpoint:
         converted[KEY_CALLBACKS] = _callback_states(checkpoint[KEY_CALLBACKS])
-    precision = next((checkpoint[key] for key in _PRECISION_KEYS if key in checkpoint), None)
     if precision:
         converted[KEY_PRECISION] = precision
     datamodule = getattr(trainer, "datamodule", None)
@@ -221,6 +212,13 @@ def from_lightning(
             converted[KEY_OPTIMIZER_STATES] = []
             converted[KEY_LIGHTNING_OPTIMIZER_STATES] = states
     return converted
+
+
+def _invalid(path: str, key: str, value: Any, expected: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path} (a PyTorch Lightning checkpoint) has an invalid {key!r}: {a_type(value)} (expected "
+        f"{expected}). The file was edited or written by a broken writer; use another checkpoint."
+    )
 
 
 def name_pending_optimizer_states(
@@ -318,7 +316,7 @@ def _state_fits(key: str, value: torch.Tensor, shape: tuple[int, ...]) -> bool:
     one with the parameter's number of dimensions must broadcast to it (Adafactor's factored row and
     column variances); scalars (``step``) and flat whole-optimizer vectors (L-BFGS) are not checked.
     """
-    if key in _PER_ELEMENT_STATE:
+    if key in PER_ELEMENT_OPTIMIZER_STATE:
         return tuple(value.shape) == shape
     if value.dim() != len(shape):
         return True
@@ -379,19 +377,44 @@ class _Counts(NamedTuple):
     completed: int
 
 
-def _counts(progress: Mapping[str, Any], part: str) -> _Counts:
-    values = progress.get(part, {})
-    ready = int(values.get("ready", 0))
+def _mapping(value: Any, path: str, key: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _invalid(path, key, value, "a dict")
+    return value
+
+
+def _count(values: Mapping[str, Any], name: str, default: int, path: str, prefix: str) -> int:
+    """``values[name]``, one of Lightning's counters (``prefix``: where ``values`` is, as ``"loops.x."``).
+
+    An int, never negative (so never NaN, a float or a bool).
+    """
+    value = values.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(
+            f"{path} (a PyTorch Lightning checkpoint) has an invalid '{prefix}{name}': {value!r} (expected a "
+            "non-negative int). The file was edited or written by a broken writer; use another checkpoint."
+        )
+    return value
+
+
+def _counts(progress: Mapping[str, Any], part: str, path: str, key: str) -> _Counts:
+    key = f"{key}.{part}"
+    values = _mapping(progress.get(part, {}), path, key)
+    key += "."
+    completed = _count(values, "completed", 0, path, key)
+    ready = _count(values, "ready", 0, path, key)
     # Trackers without a started/processed stage count them with ``ready``/``completed``.
     return _Counts(
         ready,
-        int(values.get("started", ready)),
-        int(values.get("processed", values.get("completed", 0))),
-        int(values.get("completed", 0)),
+        _count(values, "started", ready, path, key),
+        _count(values, "processed", completed, path, key),
+        completed,
     )
 
 
-def loop_position(checkpoint: Mapping[str, Any], accumulate_grad_batches: int = 1) -> dict[str, Any]:
+def loop_position(
+    checkpoint: Mapping[str, Any], accumulate_grad_batches: int = 1, path: str = "the checkpoint"
+) -> dict[str, Any]:
     """Where Lightning's fit loop stood, as the ``loops`` entry ``Progress.load_state_dict`` reads.
 
     Lightning counts each epoch and batch as ready, started, processed and completed, so the
@@ -406,20 +429,26 @@ def loop_position(checkpoint: Mapping[str, Any], accumulate_grad_batches: int = 
       checkpoints of a cut epoch do.
 
     ``accumulate_grad_batches`` tells whether the last batch stepped the optimizer (Lightning
-    counts the batches that stepped only after the batch's validation).
+    counts the batches that stepped only after the batch's validation). A counter that is not a
+    non-negative int is a :class:`CheckpointError` naming ``path`` and the counter.
     """
-    epoch = int(checkpoint[KEY_EPOCH])
-    global_step = int(checkpoint[KEY_GLOBAL_STEP])
+    epoch = _count(checkpoint, KEY_EPOCH, 0, path, "")
+    global_step = _count(checkpoint, KEY_GLOBAL_STEP, 0, path, "")
     fit = checkpoint.get(_LOOPS, {}).get(_FIT_LOOP) if isinstance(checkpoint.get(_LOOPS), Mapping) else None
     if not isinstance(fit, Mapping) or _EPOCH_PROGRESS not in fit:
         # No loop state (edited, or not from Lightning 2.x): the start of the saved epoch.
         return _position(epoch, 0, False, False, 0, global_step)
-    epochs = _counts(fit[_EPOCH_PROGRESS], "current")
-    batch_progress = fit.get(_BATCH_PROGRESS, {})
-    batches = _counts(batch_progress, "current")
-    is_last = bool(batch_progress.get(_IS_LAST_BATCH, False))
-    total_batches = _counts(batch_progress, "total").processed
-    stepped = int(fit.get(_EPOCH_LOOP_STATE, {}).get(_BATCHES_THAT_STEPPED, 0))
+    key = f"{_LOOPS}.{_FIT_LOOP}"
+    epoch_progress = _mapping(fit[_EPOCH_PROGRESS], path, f"{key}.{_EPOCH_PROGRESS}")
+    epochs = _counts(epoch_progress, "current", path, f"{key}.{_EPOCH_PROGRESS}")
+    batch_progress = _mapping(fit.get(_BATCH_PROGRESS, {}), path, f"{key}.{_BATCH_PROGRESS}")
+    batches = _counts(batch_progress, "current", path, f"{key}.{_BATCH_PROGRESS}")
+    is_last = batch_progress.get(_IS_LAST_BATCH, False)
+    if not isinstance(is_last, bool):
+        raise _invalid(path, f"{key}.{_BATCH_PROGRESS}.{_IS_LAST_BATCH}", is_last, "True or False")
+    total_batches = _counts(batch_progress, "total", path, f"{key}.{_BATCH_PROGRESS}").processed
+    epoch_loop = _mapping(fit.get(_EPOCH_LOOP_STATE, {}), path, f"{key}.{_EPOCH_LOOP_STATE}")
+    stepped = _count(epoch_loop, _BATCHES_THAT_STEPPED, 0, path, f"{key}.{_EPOCH_LOOP_STATE}.")
     if epochs.processed < epochs.started:
         # Inside the epoch's batches, or a validation between them.
         done = batches.processed

@@ -34,6 +34,7 @@ from trainer_core.checkpoint.format import (
     LOOP_GRADS,
     LOOP_PENDING_PLATEAU,
     LOOP_PER_RANK,
+    PER_ELEMENT_OPTIMIZER_STATE,
     PLUGIN_PRECISION,
     check_state_dict_matches,
     validate_checkpoint,
@@ -53,7 +54,7 @@ from trainer_core.checkpoint.save import data_replicas, loader_batch_size
 from trainer_core.errors import CheckpointError, MisconfigurationException
 from trainer_core.optim import rebase_learning_rates
 from trainer_core.precision import Precision, describe_change
-from trainer_core.utilities import rank_zero_info, rank_zero_warn
+from trainer_core.utilities import listing, rank_zero_info, rank_zero_warn
 from trainer_core.utilities.compile import (
     module_state_dict,
     plain_named_parameters,
@@ -268,13 +269,32 @@ def _restore_precision(precision: Precision, checkpoint: dict[str, Any]) -> None
 
 
 def _check_optimizer_names(module: LightningModule, saved: list[dict[str, Any]], path: str) -> None:
-    """Before the optimizers exist: every parameter a saved optimizer state names is one of the module's."""
-    names = {name for name, _ in plain_named_parameters(module)}
-    unknown = sorted(set().union(*map(named_parameters_of, saved)) - names)
+    """Before the optimizers exist: every parameter a saved optimizer state names is one of the module's.
+
+    And its per-element state (Adam's ``exp_avg``, SGD's ``momentum_buffer``) has that parameter's
+    shape: a wrong one loads without complaint and fails the first step, after the weights loaded.
+    (Only here, where the saved states are whole tensors: sharded plugins check against their shards.)
+    """
+    shapes = {name: tuple(param.shape) for name, param in plain_named_parameters(module)}
+    unknown = sorted(set().union(*map(named_parameters_of, saved)) - set(shapes))
     if unknown:
         raise CheckpointError(
             f"the optimizer state in {path} names parameters the model does not have: {unknown[:20]}. "
             "configure_optimizers must optimize the same parameters as the run that saved the checkpoint."
+        )
+    mismatched = [
+        f"{name}: {key} {tuple(value.shape)} vs parameter {shapes[name]}"
+        for state in saved
+        for name, values in state.get("state", {}).items()
+        for key, value in values.items()
+        if key in PER_ELEMENT_OPTIMIZER_STATE
+        and isinstance(value, torch.Tensor)
+        and tuple(value.shape) != shapes[name]
+    ]
+    if mismatched:
+        raise CheckpointError(
+            f"the optimizer state in {path} does not fit the model's parameters ({len(mismatched)}): "
+            f"{listing(mismatched)}. Resume from a checkpoint of this model."
         )
 
 
@@ -386,17 +406,19 @@ def load_module_from_checkpoint(
         checkpoint = from_lightning(checkpoint, None, path)
     validate_checkpoint(checkpoint, path)
     _plain_names(checkpoint)
-    hparams = {**checkpoint.get(KEY_HPARAMS, {}), **overrides}
+    hparams = {**(checkpoint.get(KEY_HPARAMS) or {}), **overrides}  # a Mapping or None (validated)
     name = hparams_argument(cls, checkpoint.get(KEY_HPARAMS_NAME))
     if name:  # `__init__(self, hparams)` with `save_hyperparameters(hparams)`: the dict goes back whole
         parameters = inspect.signature(cls.__init__).parameters
         hparams = {name: hparams, **{k: v for k, v in overrides.items() if k in parameters and k != name}}
     try:
         model = cls(**hparams)
-    except TypeError as err:
+    except (CheckpointError, MisconfigurationException):
+        raise
+    except Exception as err:  # a missing argument, or a value the module refuses (nn.Linear(-1, 2))
         raise CheckpointError(
-            f"{cls.__name__}(**hyper_parameters of {path}) failed: {err}. Pass the missing or changed arguments to "
-            f"load_from_checkpoint as keywords."
+            f"{cls.__name__}(**hyper_parameters of {path}) failed: {type(err).__name__}: {err}. Pass the missing or "
+            f"changed arguments to load_from_checkpoint as keywords."
         ) from err
     model.on_load_checkpoint(checkpoint)
     strict = _strict_for(model, strict)
