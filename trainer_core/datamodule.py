@@ -149,7 +149,7 @@ class LightningDataModule:
         is accepted for Lightning's signature only: checkpoints are always read without running code.
         """
         from trainer_core.checkpoint.format import KEY_DATAMODULE, validate_checkpoint
-        from trainer_core.errors import CheckpointError
+        from trainer_core.errors import CheckpointError, MisconfigurationException
         from trainer_core.module import _load_hparams_file, hparams_argument
         from trainer_core.plugins.io import TorchCheckpointIO
 
@@ -169,10 +169,12 @@ class LightningDataModule:
             hparams = {name: hparams}
         try:
             datamodule = cls(**hparams)
-        except TypeError as err:
+        except (CheckpointError, MisconfigurationException):
+            raise
+        except Exception as err:  # a missing argument, or a value the data module refuses
             raise CheckpointError(
-                f"{cls.__name__}(**{KEY_DATAMODULE_HPARAMS} of {path}) failed: {err}. Pass the missing or changed "
-                "arguments to load_from_checkpoint as keywords."
+                f"{cls.__name__}(**{KEY_DATAMODULE_HPARAMS} of {path}) failed: {type(err).__name__}: {err}. Pass the "
+                "missing or changed arguments to load_from_checkpoint as keywords."
             ) from err
         if state:
             datamodule.load_state_dict(state)

@@ -41,9 +41,9 @@ from trainer_core.checkpoint import (
     KEY_LOOPS,
     KEY_OPTIMIZER_STATES,
     KEY_STATE_DICT,
-    safe_globals,
     validate_checkpoint,
 )
+from trainer_core.checkpoint.format import load_weights_only
 from trainer_core.checkpoint.stream import GuardedWriter
 from trainer_core.errors import CheckpointError
 from trainer_core.paths import PathLike
@@ -684,9 +684,11 @@ def _load_bytes_safely(value: io.BytesIO, display: str) -> Any:
     ``weights_only=False``). A refused class and a damaged entry are told apart: only the first is code."""
     from trainer_core.plugins.io.torch_io import _corrupt_message, _refused_global
 
-    with torch.serialization.safe_globals([*safe_globals(), io.BytesIO]):
+    with torch.serialization.safe_globals([io.BytesIO]):
         try:
-            return torch.load(value, weights_only=True)
+            return load_weights_only(lambda: torch.load(value, weights_only=True), display)
+        except CheckpointError:
+            raise
         except Exception as err:
             refused = _refused_global(str(err)) if isinstance(err, pickle.UnpicklingError) else None
             if refused is not None:

@@ -74,7 +74,7 @@ from trainer_core.checkpoint.format import (
     KEY_FORMAT_VERSION,
     KEY_FROZEN_PARAMETERS,
     KEY_STATE_DICT,
-    safe_globals,
+    load_weights_only,
 )
 from trainer_core.checkpoint.stream import publish_local
 from trainer_core.errors import CheckpointError, MisconfigurationException
@@ -458,12 +458,15 @@ def referenced_blobs(checkpoint: Mapping[str, Any]) -> set[str]:
 def _blobs_of_file(fs: fsspec.AbstractFileSystem, path: str) -> Optional[set[str]]:
     """The blobs the checkpoint file at ``path`` references, read without resolving them; ``None`` if unreadable."""
     try:
-        with torch.serialization.safe_globals(safe_globals()):
-            if is_local(fs):
-                checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            else:
-                with fs.open(path, "rb") as f:
-                    checkpoint = torch.load(f, map_location="cpu", weights_only=True)
+        if is_local(fs):
+            checkpoint = load_weights_only(
+                lambda: torch.load(path, map_location="cpu", weights_only=True, mmap=True), path
+            )
+        else:
+            with fs.open(path, "rb") as f:
+                checkpoint = load_weights_only(
+                    lambda: torch.load(f, map_location="cpu", weights_only=True), path
+                )
     except Exception:
         return None
     return referenced_blobs(checkpoint) if isinstance(checkpoint, Mapping) else set()

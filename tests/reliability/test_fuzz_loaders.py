@@ -269,11 +269,6 @@ def _torch_file_damage(valid: dict[str, Any]) -> st.SearchStrategy[bytes]:
     return st.one_of(byte_damage(data), zip_member_damage(data), value_swap(checkpoint), deep)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 28, helper C (format.py/restore.py/lightning.py): a wrong-type value in a loaded checkpoint "
-    "(None/bool/int/inf where a dict, list or int belongs) escapes as a raw TypeError/ValueError/OverflowError",
-)
 @fuzz_settings(0.5)  # its 10^4..10^5-deep pickles cost ~0.3 s each
 @given(data=st.data())
 def test_torch_checkpoint_file(
@@ -337,11 +332,6 @@ def test_sharded_dcp_folder(
 # ---------------------------------------------------------------------- (3) a PyTorch Lightning .ckpt
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 28, helper C (format.py/restore.py/lightning.py): a wrong-type value in a loaded checkpoint "
-    "(None/bool/int/inf where a dict, list or int belongs) escapes as a raw TypeError/ValueError/OverflowError",
-)
 @fuzz_settings()
 @given(data=st.data())
 def test_lightning_checkpoint(
@@ -605,11 +595,6 @@ class _CliRefused(Exception):
 # ---------------------------------------------------------------------- a few through fit(ckpt_path)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 28, helper C (format.py/restore.py/lightning.py): a wrong-type value in a loaded checkpoint "
-    "(None/bool/int/inf where a dict, list or int belongs) escapes as a raw TypeError/ValueError/OverflowError",
-)
 @fuzz_settings(0.1)
 @given(data=st.data())
 def test_fit_from_a_damaged_checkpoint(

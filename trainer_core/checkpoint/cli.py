@@ -470,7 +470,7 @@ def _file_weights(
 
     import torch
 
-    from trainer_core.checkpoint.format import safe_globals
+    from trainer_core.checkpoint.format import load_weights_only
 
     local_path = fs_path
     if not is_local(fs):
@@ -478,8 +478,11 @@ def _file_weights(
         local_path = os.path.join(folder, "checkpoint")
         fs.get(fs_path, local_path)  # streamed to disk; mapping needs a local file
     try:
-        with torch.serialization.safe_globals(safe_globals()):
-            checkpoint = torch.load(local_path, map_location="cpu", weights_only=True, mmap=True)
+        checkpoint = load_weights_only(
+            lambda: torch.load(local_path, map_location="cpu", weights_only=True, mmap=True), src
+        )
+    except CheckpointError:
+        raise
     except Exception as err:
         raise CheckpointError(
             f"Could not read {src} as a checkpoint file ({type(err).__name__}: "
