@@ -714,3 +714,27 @@ def test_a_lightning_value_of_the_wrong_kind_names_the_file_and_key(
     assert trainer.global_step == 0 and all(opt.state_dict()["state"] == {} for opt in trainer.optimizers)
     with pytest.raises(CheckpointError, match=expected):
         from_lightning(torch.load(path, weights_only=True), None, str(path))
+
+
+def test_an_sgd_state_written_by_torch_1_loads(tmp_path: Path) -> None:
+    """torch before 2.0 stored SGD's ``momentum_buffer`` as ``None`` without momentum: not a wrong kind."""
+    checkpoint = _hand_made_lightning_checkpoint()
+    groups = checkpoint["optimizer_states"][0]["param_groups"]
+    checkpoint["optimizer_states"] = [
+        {
+            "state": {index: {"momentum_buffer": None} for group in groups for index in group["params"]},
+            "param_groups": [
+                {
+                    "lr": 0.05,
+                    "momentum": 0,
+                    "dampening": 0,
+                    "weight_decay": 0,
+                    "nesterov": False,
+                    "params": g["params"],
+                }
+                for g in groups
+            ],
+        }
+    ]
+    converted = from_lightning(checkpoint, None, str(tmp_path / "torch1.ckpt"))
+    assert converted["global_step"] == 1

@@ -426,7 +426,8 @@ def _optimizer_state_problem(state: Mapping[str, Any], key_type: type) -> Option
         if not isinstance(values, Mapping):
             return f"'state[{key!r}]' is {_describe(values)} (expected a dict)"
         for name, value in values.items():
-            if (name in PER_ELEMENT_OPTIMIZER_STATE and not _is_tensor(value)) or (
+            # None: torch before 2.0 kept SGD's momentum_buffer as None without momentum (old Lightning files).
+            if (name in PER_ELEMENT_OPTIMIZER_STATE and value is not None and not _is_tensor(value)) or (
                 name == "step" and not _is_count_like(value)
             ):
                 expected = "a non-negative number" if name == "step" else "a tensor"
