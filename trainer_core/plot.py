@@ -64,8 +64,14 @@ def read_metrics(
 ) -> dict[str, list[tuple[float, float]]]:
     """``{column: [(step, value), ...]}`` for every metric column, skipping empty cells."""
     fs, path = paths.resolve(metrics_file, **(storage_options or {}))
-    with fs.open(path, "r", newline="") as f:
-        rows = list(csv.DictReader(f))
+    try:
+        with fs.open(path, "r", newline="") as f:
+            rows = list(csv.DictReader(f))
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise PlotError(
+            f"{metrics_file}: is not a CSV file of metrics ({type(err).__name__}: {err}); point at the folder "
+            "CSVLogger wrote."
+        ) from None
     series: dict[str, list[tuple[float, float]]] = {}
     for index, row in enumerate(rows):
         step = _number(row.get("step"))

@@ -205,7 +205,12 @@ def read_commit_marker(fs: fsspec.AbstractFileSystem, path: str) -> Optional[dic
     try:
         with fs.open(commit_marker_path(path), "rb") as f:
             marker = json.loads(f.read().decode())
-    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+    except (
+        FileNotFoundError,
+        ValueError,
+        UnicodeDecodeError,
+        RecursionError,
+    ):  # a damaged marker vouches for nothing
         return None
     return marker if isinstance(marker, dict) and marker.get("writer") == _MARKER_WRITER else None
 

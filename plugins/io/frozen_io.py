@@ -242,7 +242,7 @@ def _read_manifest(fs: fsspec.AbstractFileSystem, path: str) -> Optional[set[str
     try:
         with fs.open(path, "rb") as f:
             manifest = json.loads(f.read().decode())
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return None
     hashes = manifest.get(BLOBS_SHA256) if isinstance(manifest, dict) else None
     if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):

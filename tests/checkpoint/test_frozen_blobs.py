@@ -416,3 +416,20 @@ def test_a_store_shared_through_a_symlink_is_neither_written_nor_pruned(tmp_path
     with pytest.raises(CheckpointError, match=r"blobs/refs is a symlink"):
         FrozenBlobCheckpointIO().save_checkpoint(_checkpoint(3, other, ["base"]), str(run_b / "d.ckpt"))
     assert sorted(p.name for p in (run_a / "blobs" / "refs").iterdir()) == ["a.ckpt.json"]
+
+
+def test_a_damaged_list_of_blobs_is_read_from_its_checkpoint_instead(tmp_path: Path) -> None:
+    """A ``refs/<name>.json`` nested 100,000 deep or not UTF-8 is unreadable: the checkpoint is read to see its blobs."""
+    io = FrozenBlobCheckpointIO()
+    state = _state()
+    a, b = (str(tmp_path / f"{n}.ckpt") for n in ("a", "b"))
+    io.save_checkpoint(_checkpoint(1, state, ["base"]), a)
+    io.save_checkpoint(_checkpoint(2, state, ["base"]), b)
+    blobs = _blob_names(tmp_path)
+    lists = sorted((tmp_path / "blobs" / "refs").iterdir())
+    lists[1].write_bytes(b"[" * 100_000 + b"]" * 100_000)  # b's list
+    io.remove_checkpoint(a)
+    assert _blob_names(tmp_path) == blobs  # b still uses the blob, found by reading b.ckpt
+    lists[1].write_bytes(b"\xff\xfe")
+    assert io.remove_unreferenced_blobs(str(tmp_path)) == []
+    assert torch.equal(io.load_checkpoint(b)["state_dict"]["base"], state["base"])

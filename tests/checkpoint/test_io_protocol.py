@@ -402,3 +402,20 @@ assert same is DistributedCheckpointIO and "torch.distributed.checkpoint" in sys
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    "marker",
+    [b"[" * 100_000 + b"]" * 100_000, b"\xff\xfe", b'{"writer": ["x"], "size": "big", "saved_at": "soon"}'],
+    ids=["nested-100k-deep", "not-utf8", "wrong-types"],
+)
+def test_a_damaged_commit_marker_vouches_for_nothing(marker: bytes) -> None:
+    """A marker nested 100,000 deep, not UTF-8 or of the wrong types marks its object incomplete; "last" goes on."""
+    root = _memory_root()
+    io = TorchCheckpointIO()
+    for step in (1, 2):
+        io.save_checkpoint(_checkpoint(step), f"{root}/step={step}.ckpt")
+    fs, path = fsspec.core.url_to_fs(f"{root}/step=2.ckpt.complete")
+    fs.pipe_file(path, marker)
+    assert not io.is_complete(f"{root}/step=2.ckpt")
+    assert io.list_complete(root) == [f"{root}/step=1.ckpt"]

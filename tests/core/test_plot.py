@@ -107,3 +107,16 @@ def test_errors_name_the_folder_and_the_missing_extra(
     assert proc.returncode == 2
     assert "pip install 'trainer-core[plot]'" in proc.stderr and "Traceback" not in proc.stderr
     assert not (Path(logger.log_dir) / "metrics.png").exists()
+
+
+@pytest.mark.parametrize("content", [b"step,loss\n0,\xff\xfe\n", b"step,loss\n0," + b"x" * 200_000 + b"\n"])
+def test_a_damaged_metrics_file_is_one_error_naming_it(
+    tmp_path: Path, content: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not UTF-8, or a cell over the csv module's field limit: one error naming the file, no traceback."""
+    metrics = tmp_path / "metrics.csv"
+    metrics.write_bytes(content)
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(metrics) in err and "not a CSV file of metrics" in err and "Traceback" not in err
+    assert not (tmp_path / "metrics.png").exists()

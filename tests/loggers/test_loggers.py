@@ -197,3 +197,18 @@ def test_only_rank_zero_writes_under_two_ranks(s3_url: str, tmp_path: Path) -> N
     local = tmp_path / "tb"
     fs.get(f"{root}/tb/version_0/", str(local) + "/", recursive=True)
     assert _scalars(local)["rank_tag"] == [(s, float(s)) for s in range(4)]
+
+
+@pytest.mark.parametrize("content", [b"step,loss\n0,\xff\xfe\n", b"step,loss\n0," + b"x" * 200_000 + b"\n"])
+def test_csv_logger_leaves_a_metrics_file_it_cannot_read_as_it_was(tmp_path: Path, content: bytes) -> None:
+    """A damaged metrics.csv in the version folder is one clear error naming it, never rewritten or lost."""
+    from trainer_core.errors import MisconfigurationException
+
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    metrics = Path(logger.log_dir) / "metrics.csv"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_bytes(content)
+    logger.log_metrics({"loss": 0.5}, step=1)
+    with pytest.raises(MisconfigurationException, match=f"CSVLogger cannot add to {metrics}.*left as it is"):
+        logger.save()
+    assert metrics.read_bytes() == content

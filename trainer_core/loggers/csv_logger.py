@@ -89,8 +89,18 @@ def _plain(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _read_rows(fs: Any, path: str) -> list[dict[str, Any]]:
-    with fs.open(path, "r", newline="") as f:
-        return list(csv.DictReader(f))
+    """The rows already in ``path``, kept when the file is rewritten with more columns."""
+    try:
+        with fs.open(path, "r", newline="") as f:
+            return list(csv.DictReader(f))
+    except (UnicodeDecodeError, csv.Error) as err:
+        from trainer_core.errors import MisconfigurationException
+
+        # Rewriting would lose what the file holds: it is left as it is.
+        raise MisconfigurationException(
+            f"CSVLogger cannot add to {path}: it is not a CSV file of metrics ({type(err).__name__}: {err}). It "
+            "was left as it is; move it away, or log to another version (CSVLogger(version=...))."
+        ) from None
 
 
 def _write_rows(fs: Any, path: str, keys: list[str], rows: list[dict[str, Any]], mode: str) -> None:
