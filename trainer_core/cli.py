@@ -553,7 +553,14 @@ class LightningCLI:
 
     def instantiate_classes(self) -> None:
         """Build the model, the data module and the Trainer from ``self.config``."""
-        self.config_init = self._parser(self.subcommand).instantiate(self._subconfig(self.config))
+        parser = self._parser(self.subcommand)
+        try:
+            self.config_init = parser.instantiate(self._subconfig(self.config))
+        except (TypeError, ValueError, OverflowError, RuntimeError) as err:
+            # A value of the config that a class refuses (`hidden: 1e30` reaching nn.Linear): argparse's error,
+            # naming the file. Other exceptions are bugs in the class and keep their traceback.
+            cause = (str(err).strip().splitlines() or [""])[0]
+            parser.error(f"building the classes of the config failed: {type(err).__name__}: {cause}", err)
         self.datamodule = self.config_init.get("data")
         self.model = self.config_init.get("model")
         self._add_configure_optimizers_method_to_model(self.subcommand)
