@@ -685,9 +685,12 @@ class LightningCLI:
         if seed is False:
             return
         # `null` draws a seed, as `true` does (Lightning's rule); it must not reach int().
-        config["seed_everything"] = seed_everything(
-            None if seed is True or seed is None else int(seed), workers=True
-        )
+        try:
+            config["seed_everything"] = seed_everything(
+                None if seed is True or seed is None else int(seed), workers=True
+            )
+        except ValueError as err:  # a seed outside [0, 2**32 - 1]: argparse's error, naming the file
+            self._parser(self.subcommand).error(f"seed_everything: {err}", err)
 
 
 def instantiate_class(args: Union[Any, tuple[Any, ...]], init: dict[str, Any]) -> Any:

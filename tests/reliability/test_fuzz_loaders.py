@@ -640,6 +640,7 @@ def test_fit_from_a_damaged_checkpoint(
         (b"trainer:\n  max_steps: [1]\n", 'Parser key "trainer.max_steps"'),  # named the key, not the file
         (b"trainer:\n  max_steps:\n", "Trainer(max_steps=None)"),  # was a raw MisconfigurationException
         (b"a: " + b"[" * 20000 + b"]" * 20000 + b"\n", "nesting depth"),
+        (b"seed_everything: -1\n", "seed_everything: seed_everything(seed=-1)"),  # was a raw ValueError
         (  # a value the model's nn.Linear refuses: was a raw TypeError from torch
             b"model:\n  hidden: 18446744073709551616\n",
             "building the classes of the config failed: TypeError: empty(): argument 'size'",
