@@ -27,7 +27,8 @@ test: $(VENV)/.installed-test
 # The reliability suite at full size (RELIABILITY.md): 50 SIGKILL trials per kind of save and a
 # 10,000-step load run (figures in bench_results/reliability/ as JSON), then the whole resume,
 # plugin-equivalence, resharding (table in bench_results/reshard_matrix.md) and model-parallel matrices
-# (FULL_MATRIX=1), and Lightning's own programs run under Lightning beside trainer-core (CORPUS_LIVE=1).
+# (FULL_MATRIX=1), Lightning's own programs run under Lightning beside trainer-core (CORPUS_LIVE=1), and
+# the loader fuzzer at 2,000 examples per file kind (FUZZ_SEED=N picks another draw; the seed is printed).
 stress: $(VENV)/.installed-test
 	KILL_TRIALS=50 LOAD_STEPS=10000 RELIABILITY_REPORT=bench_results/reliability \
 		$(PY) -m pytest -s -p no:cacheprovider tests/reliability/test_kill_during_save.py tests/reliability/test_load.py $(PYTEST_ARGS)
@@ -43,6 +44,7 @@ stress: $(VENV)/.installed-test
 		tests/plugins/test_distributed.py::test_sharded_checkpoint_on_s3 tests/plugins/test_precision_distributed.py \
 		tests/core/test_several_optimizers.py tests/plugins/test_pipeline.py::test_resume_across_pipeline_degrees $(PYTEST_ARGS)
 	CORPUS_LIVE=1 $(PY) -m pytest -p no:cacheprovider tests/corpus $(PYTEST_ARGS)
+	FUZZ_EXAMPLES=2000 $(PY) -m pytest -s -p no:cacheprovider tests/reliability/test_fuzz_loaders.py $(PYTEST_ARGS)
 	PYTHON=$(PY) python3 scripts/gpu_suite.py --cpu-dry-run
 
 # The GPU suite (tests/gpu/): nccl DDP, FSDP2 under bf16-mixed, model parallel, pipeline, pinned async
