@@ -347,7 +347,9 @@ class Data(LightningDataModule):
         self.projection = nn.Linear(3, width)  # refuses a negative width with a RuntimeError
 
 
-def test_a_hyper_parameter_the_data_module_refuses_is_one_clear_error(checkpoint: Path, tmp_path: Path) -> None:
+def test_a_hyper_parameter_the_data_module_refuses_is_one_clear_error(
+    checkpoint: Path, tmp_path: Path
+) -> None:
     """The data module's ``__init__`` raising (not only a ``TypeError`` for a missing argument) is a CheckpointError."""
     stored = torch.load(checkpoint, weights_only=True)
     stored["datamodule_hyper_parameters"] = {"width": -1}
