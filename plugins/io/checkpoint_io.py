@@ -173,9 +173,8 @@ def replace_entry(new: str, final: str, owned: Optional[Callable[[str], bool]] =
     os.replace(final, old)
     os.replace(new, final)
     if _is_real_dir(old):
-        shutil.rmtree(
-            old, ignore_errors=True
-        )  # only our own files, checked above; rmtree never follows a link
+        # Only our own files, checked above; rmtree never follows a link.
+        shutil.rmtree(old, ignore_errors=True)
     else:
         with suppress(OSError):
             os.remove(old)
@@ -205,12 +204,8 @@ def read_commit_marker(fs: fsspec.AbstractFileSystem, path: str) -> Optional[dic
     try:
         with fs.open(commit_marker_path(path), "rb") as f:
             marker = json.loads(f.read().decode())
-    except (
-        FileNotFoundError,
-        ValueError,
-        UnicodeDecodeError,
-        RecursionError,
-    ):  # a damaged marker vouches for nothing
+    # A damaged marker (not JSON, not UTF-8, nested past the recursion limit) vouches for nothing.
+    except (FileNotFoundError, ValueError, UnicodeDecodeError, RecursionError):
         return None
     return marker if isinstance(marker, dict) and marker.get("writer") == _MARKER_WRITER else None
 

@@ -439,9 +439,8 @@ def _optimizer_state_problem(state: Mapping[str, Any], key_type: type) -> Option
         params = group.get("params", [])
         if not isinstance(params, (list, tuple)) or not all(is_key(key) for key in params):
             return f"'param_groups[{number}].params' is {_describe(params)} (expected a list of {kind}s)"
-        names = group.get(
-            "param_names", []
-        )  # torch's own copy of the names (optimizers of named_parameters())
+        # torch's own copy of the names (optimizers built over named_parameters()).
+        names = group.get("param_names", [])
         if not isinstance(names, (list, tuple)):
             return f"'param_groups[{number}].param_names' is {_describe(names)} (expected a list)"
         for name, value in group.items():
