@@ -1,7 +1,9 @@
 """Checkpoint IO plugins: how checkpoints are written to and read from storage.
 
-``DistributedCheckpointIO`` is imported on first use: it brings in ``torch.distributed.checkpoint``
-and DTensor, most of a second that every process (each rank, each CLI call) would pay otherwise.
+Each IO class writes and reads its own kind of checkpoint; ``readers`` says what a path holds and
+hands it to the reader of that kind, registered here. ``DistributedCheckpointIO`` is imported on
+first use: it brings in ``torch.distributed.checkpoint`` and DTensor, most of a second that every
+process (each rank, each CLI call) would pay otherwise.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from trainer_core.plugins.io.async_io import AsyncCheckpointIO
 from trainer_core.plugins.io.checkpoint_io import COMMIT_MARKER_SUFFIX, CheckpointIO, WrappingCheckpointIO
 from trainer_core.plugins.io.frozen_io import FrozenBlobCheckpointIO
+from trainer_core.plugins.io.readers import FILE, SHARDED, register_reader
 from trainer_core.plugins.io.torch_io import TorchCheckpointIO
 
 if TYPE_CHECKING:
@@ -33,3 +36,13 @@ def __getattr__(name: str) -> Any:
 
         return DistributedCheckpointIO
     raise AttributeError(f"module 'trainer_core.plugins.io' has no attribute {name!r}")
+
+
+def _distributed_checkpoint_io(storage_options: dict[str, Any]) -> DistributedCheckpointIO:
+    from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
+
+    return DistributedCheckpointIO(storage_options)
+
+
+register_reader(FILE, TorchCheckpointIO)
+register_reader(SHARDED, _distributed_checkpoint_io)

@@ -179,6 +179,8 @@ class AsyncCheckpointIO(WrappingCheckpointIO):
     checkpoint it shows, so training does not wait for it either.
     """
 
+    writes_in_background = True
+
     def __init__(self, checkpoint_io: Optional[CheckpointIO] = None) -> None:
         super().__init__(checkpoint_io if checkpoint_io is not None else TorchCheckpointIO())
         self._buffers = _StagingBuffers()

@@ -21,197 +21,52 @@ How "complete" is decided depends on the storage:
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
-import re
-import shutil
-import stat
-import time
-import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, Optional
 
 import fsspec
 
+from trainer_core.checkpoint.files import (
+    COMMIT_MARKER_SUFFIX,
+    TEMP_INFIX,
+    basename,
+    commit_marker_path,
+    foreign_entries,
+    fsync_dir,
+    is_temporary_name,
+    lock_temporary,
+    publish_local_link,
+    read_commit_marker,
+    remove_abandoned_temporaries,
+    replace_entry,
+    temporary_path,
+    write_commit_marker,
+)
 from trainer_core.errors import CheckpointError
 from trainer_core.paths import PathLike, is_local, join, resolve
+from trainer_core.utilities import rank_zero_warn
 
-#: Suffix of the commit marker written after a checkpoint object on non-local storage.
-COMMIT_MARKER_SUFFIX = ".complete"
-#: Infix of the temporary names writers use before publishing; readers skip such names.
-TEMP_INFIX = ".tmp-"
-
-_MARKER_WRITER = "trainer-core"
-
-# Exactly the temporary names our writers make: ``.<name>.tmp-<hex id>`` (files and sharded
-# folders) and ``.<name>.tmp-old-<hex id>`` (a replaced folder or link on its way out).
-_OWN_TEMPORARY = re.compile(r"^\..+\.tmp-(?:old-)?[0-9a-f]{8,12}$")
-# A temporary this recent is never removed: its writer locks it right after creating it, and this
-# covers the moment in between (were it hit, that writer's save would fail, never a torn file).
-_TEMPORARY_MIN_AGE_S = 0.1
-
-
-def commit_marker_path(path: str) -> str:
-    """The commit marker's path for the checkpoint at ``path`` (a filesystem path or URL)."""
-    return path.rstrip("/") + COMMIT_MARKER_SUFFIX
-
-
-def is_temporary_name(name: str) -> bool:
-    """Whether ``name`` (a base name) is a writer's temporary file, never a checkpoint."""
-    return name.startswith(".") and TEMP_INFIX in name
-
-
-def lock_temporary(fd: int) -> None:
-    """Mark the temporary file or folder open as ``fd`` as in use until this process closes it or dies.
-
-    An exclusive ``flock``: the kernel drops it when the writer exits, however it exits (SIGKILL
-    included), which is what tells :func:`remove_abandoned_temporaries` a temporary is abandoned.
-    On a filesystem without locks the save goes on unlocked; the cleanup then never removes it
-    (it removes only what it could lock).
-    """
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        pass
-
-
-def remove_abandoned_temporaries(folder: str) -> list[str]:
-    """Remove the temporaries a killed writer left in local ``folder``; returns the names removed.
-
-    Only names of our own pattern (``.<name>.tmp-<hex>``) are candidates, so nobody else's files are
-    touched; of those, only the ones no live process holds locked (see :func:`lock_temporary`) and
-    older than 0.1 s (a writer locks its temporary right after creating it) are removed.
-    """
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return []
-    removed = []
-    now = time.time()
-    for entry in entries:
-        if not _OWN_TEMPORARY.match(entry.name):
-            continue
-        try:
-            info = entry.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        is_dir = stat.S_ISDIR(info.st_mode)
-        if not (is_dir or stat.S_ISREG(info.st_mode)) or now - info.st_mtime < _TEMPORARY_MIN_AGE_S:
-            continue
-        try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | (os.O_DIRECTORY if is_dir else 0))
-        except OSError:
-            continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # a live writer holds it
-            if is_dir:
-                shutil.rmtree(entry.path, ignore_errors=True)
-            else:
-                os.remove(entry.path)
-            removed.append(entry.name)
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
-    return removed
-
-
-def temporary_path(path: str, old: bool = False) -> str:
-    """A fresh temporary name next to the local ``path``: ``.<name>.tmp-<hex>`` (``.tmp-old-<hex>`` for
-    an entry on its way out), a name readers skip and :func:`remove_abandoned_temporaries` recognises."""
-    folder, name = os.path.split(path.rstrip("/"))
-    return os.path.join(folder, f".{name}{TEMP_INFIX}{'old-' if old else ''}{uuid.uuid4().hex[:12]}")
-
-
-def fsync_dir(path: str) -> None:
-    """Make a rename in local folder ``path`` durable; some filesystems cannot open a folder, which is fine."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _is_real_dir(path: str) -> bool:
-    return os.path.isdir(path) and not os.path.islink(path)
-
-
-def replace_entry(new: str, final: str, owned: Optional[Callable[[str], bool]] = None) -> None:
-    """Put the local file, link or folder ``new`` at ``final``; a reader sees the old entry or the new one.
-
-    A file or a link is renamed over ``final`` in one step (a link is replaced, never what it points
-    to). A folder can be neither renamed over nor replaced by a file in one rename, so the old entry
-    is renamed aside first (for a moment there is no ``final``, never half of one) and then removed.
-    A folder at ``final`` is replaced only if every entry in it is a plain file whose name ``owned``
-    accepts (the files the caller's writer writes; none if ``owned`` is ``None``): a folder holding
-    anything else (a file the user put there, a symlink) is refused with :class:`CheckpointError`
-    before anything changes, so it is never removed.
-    """
-    if not os.path.lexists(final) or not (_is_real_dir(new) or _is_real_dir(final)):
-        os.replace(new, final)
-        return
-    if _is_real_dir(final):
-        foreign = foreign_entries(final, owned)
-        if foreign:
-            raise CheckpointError(
-                f"Did not replace the folder {final}: it holds entries no checkpoint writer of trainer-core "
-                f"writes ({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}), and they would be lost. "
-                "Move them elsewhere or save to another path."
-            )
-    old = temporary_path(final, old=True)
-    os.replace(final, old)
-    os.replace(new, final)
-    if _is_real_dir(old):
-        # Only our own files, checked above; rmtree never follows a link.
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        with suppress(OSError):
-            os.remove(old)
-
-
-def foreign_entries(folder: str, owned: Optional[Callable[[str], bool]]) -> list[str]:
-    """The names in local ``folder`` that are not a plain file ``owned`` accepts (symlinks and folders never are)."""
-    foreign = []
-    for entry in os.scandir(folder):
-        if owned is None or not entry.is_file(follow_symlinks=False) or not owned(entry.name):
-            foreign.append(entry.name)
-    return sorted(foreign)
-
-
-def write_commit_marker(fs: fsspec.AbstractFileSystem, path: str, size: Optional[int]) -> None:
-    """Publish the checkpoint at ``path``: write its marker, recording ``size`` (``None`` for a folder).
-
-    ``saved_at`` orders checkpoints more finely than an object store's one-second modification times.
-    """
-    marker = {"writer": _MARKER_WRITER, "size": size, "saved_at": time.time()}
-    with fs.open(commit_marker_path(path), "wb") as f:
-        f.write(json.dumps(marker).encode())
-
-
-def read_commit_marker(fs: fsspec.AbstractFileSystem, path: str) -> Optional[dict[str, Any]]:
-    """The marker of the checkpoint at ``path``, or ``None`` if it has none or it is unreadable."""
-    try:
-        with fs.open(commit_marker_path(path), "rb") as f:
-            marker = json.loads(f.read().decode())
-    # A damaged marker (not JSON, not UTF-8, nested past the recursion limit) vouches for nothing.
-    except (FileNotFoundError, ValueError, UnicodeDecodeError, RecursionError):
-        return None
-    return marker if isinstance(marker, dict) and marker.get("writer") == _MARKER_WRITER else None
-
-
-def _basename(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]
+# The file helpers live in trainer_core.checkpoint.files, beside every other writer's; imported from
+# here too, where tests and users found them first.
+__all__ = [
+    "COMMIT_MARKER_SUFFIX",
+    "TEMP_INFIX",
+    "CheckpointIO",
+    "WrappingCheckpointIO",
+    "commit_marker_path",
+    "foreign_entries",
+    "fsync_dir",
+    "is_temporary_name",
+    "lock_temporary",
+    "read_commit_marker",
+    "remove_abandoned_temporaries",
+    "replace_entry",
+    "temporary_path",
+    "write_commit_marker",
+]
 
 
 class CheckpointIO(ABC):
@@ -281,7 +136,7 @@ class CheckpointIO(ABC):
         return self._is_complete(fs, fs_path)
 
     def _is_complete(self, fs: fsspec.AbstractFileSystem, fs_path: str) -> bool:
-        if is_temporary_name(_basename(fs_path)) or fs_path.endswith(COMMIT_MARKER_SUFFIX):
+        if is_temporary_name(basename(fs_path)) or fs_path.endswith(COMMIT_MARKER_SUFFIX):
             return False
         if fs.isdir(fs_path):
             files = self.folder_commit_files()
@@ -304,7 +159,7 @@ class CheckpointIO(ABC):
             return []
         found = []
         for info in fs.ls(fs_dir, detail=True):
-            name = _basename(info["name"])
+            name = basename(info["name"])
             if suffix is not None and not name.endswith(suffix):
                 continue
             if not self._is_complete(fs, info["name"]):
@@ -371,7 +226,7 @@ class CheckpointIO(ABC):
                 "or save the checkpoint in full instead."
             )
         if is_local(fs):
-            _publish_local_link(src_path, dst_path, self.owns_folder_file)
+            publish_local_link(src_path, dst_path, self.owns_folder_file)
         else:
             self._publish_copy(fs, src_path, dst_path)
 
@@ -401,76 +256,65 @@ class CheckpointIO(ABC):
 
         A folder loses only the files its writer writes (:meth:`owns_folder_file`); others stay.
         """
-        for name in reversed(self.folder_commit_files()):
-            with suppress(FileNotFoundError):
-                if fs.isfile(f"{path}/{name}"):
-                    fs.rm(f"{path}/{name}")
         with suppress(FileNotFoundError):
+            folder = fs.isdir(path)
+            if folder:
+                self._remove_folder_files(fs, path)
             if fs.exists(commit_marker_path(path)):
                 fs.rm(commit_marker_path(path))
-            if fs.isdir(path):
-                owned = [
-                    info["name"]
-                    for info in fs.ls(path, detail=True)
-                    if info.get("type") == "file" and self.owns_folder_file(_basename(info["name"]))
-                ]
-                if owned:
-                    fs.rm(owned)
-            elif fs.exists(path):
+            if not folder and fs.exists(path):
                 fs.rm(path)
 
+    # ------------------------------------------------------------------ removing
+    @staticmethod
+    def _remove_file(fs: fsspec.AbstractFileSystem, fs_path: str) -> None:
+        """Remove the checkpoint file ``fs_path``; its commit marker goes first, so it is never half-picked."""
+        marker = commit_marker_path(fs_path)
+        if not is_local(fs) and fs.exists(marker):
+            fs.rm(marker)
+        if fs.exists(fs_path):
+            fs.rm(fs_path)
 
-def _publish_local_link(src: str, dst: str, owned: Optional[Callable[[str], bool]] = None) -> None:
-    """Make the local ``dst`` a relative symlink to ``src`` (a copy without symlinks), atomically.
+    def _remove_folder(self, fs: fsspec.AbstractFileSystem, fs_path: str, display: str) -> None:
+        """Remove the checkpoint folder ``fs_path``: the files its writer wrote, then the folder if nothing else is in it.
 
-    A checkpoint folder at ``dst`` is replaced only if it holds nothing but files ``owned`` names.
-    """
-    folder = os.path.dirname(dst)
-    os.makedirs(folder, exist_ok=True)
-    temp = temporary_path(dst)
-    try:
-        try:
-            os.symlink(os.path.relpath(src, folder), temp)
-        except OSError:
-            # No symlinks on this filesystem (some network and FUSE mounts): a copy, published alike.
-            with _locked_copy(src, temp, owned):
-                replace_entry(temp, dst, owned)
-        else:
-            replace_entry(temp, dst, owned)
-    except BaseException:
-        if _is_real_dir(temp):
-            shutil.rmtree(temp, ignore_errors=True)
-        elif os.path.lexists(temp):
-            os.remove(temp)
-        raise
-    fsync_dir(folder)
-
-
-@contextmanager
-def _locked_copy(src: str, temp: str, owned: Optional[Callable[[str], bool]] = None) -> Iterator[None]:
-    """Copy the local file or folder ``src`` to the temporary ``temp``, locked (see :func:`lock_temporary`)
-    while the caller publishes it, and synced to disk first. Of a folder, only the files ``owned`` names."""
-    if os.path.isdir(src):
-        os.makedirs(temp)
-        fd = os.open(temp, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            lock_temporary(fd)
-            shutil.copytree(
-                src,
-                temp,
-                dirs_exist_ok=True,
-                ignore=lambda _, names: [n for n in names if owned is not None and not owned(n)],
+        Anything else (a file put there by hand, a symlink, a subfolder) is kept, and so is the folder
+        then, with a warning naming what was kept.
+        """
+        others = self._remove_folder_files(fs, fs_path)
+        if others:
+            rank_zero_warn(
+                f"Removed the sharded checkpoint {display}, but not the folder: it also holds "
+                f"{', '.join(others[:5])}{', ...' if len(others) > 5 else ''}, which trainer-core did not write and "
+                "kept. Remove the folder yourself if they are not needed."
             )
-            yield
-        finally:
-            os.close(fd)
-        return
-    with open(src, "rb") as source, open(temp, "wb") as target:
-        lock_temporary(target.fileno())
-        shutil.copyfileobj(source, target, 2**24)
-        target.flush()
-        os.fsync(target.fileno())
-        yield
+        elif is_local(fs):
+            with suppress(OSError):
+                os.rmdir(fs_path)  # only if empty: something written into it meanwhile stays
+        else:
+            with suppress(OSError):  # FileNotFoundError included
+                fs.rmdir(fs_path)  # memory:// keeps empty folders; an object store has none
+
+    def _remove_folder_files(self, fs: fsspec.AbstractFileSystem, folder: str) -> list[str]:
+        """Remove the files in ``folder`` that this IO's writer writes there; returns the names of what stays.
+
+        The last of :meth:`folder_commit_files` goes first, so a reader never picks half a folder; the
+        other commit files go last, so an interrupted removal leaves a folder still recognised as a
+        checkpoint, which the next removal finishes. Only plain files :meth:`owns_folder_file` accepts
+        are removed: a file put there by hand, a symlink or a subfolder stays.
+        """
+        commit = self.folder_commit_files()
+        if commit:
+            with suppress(FileNotFoundError):
+                if fs.isfile(f"{folder}/{commit[-1]}"):
+                    fs.rm(f"{folder}/{commit[-1]}")
+        ours, others = [], []
+        for info in fs.ls(folder, detail=True):
+            plain = info.get("type") == "file" and not info.get("islink", False)
+            (ours if plain and self.owns_folder_file(basename(info["name"])) else others).append(info["name"])
+        if ours:
+            fs.rm(sorted(ours, key=lambda path: basename(path) in commit))
+        return sorted(basename(path) for path in others)
 
 
 class WrappingCheckpointIO(CheckpointIO):
@@ -481,6 +325,9 @@ class WrappingCheckpointIO(CheckpointIO):
     pending write). :attr:`unwrapped` reaches the IO that does the writing through any number of
     wrappers.
     """
+
+    #: Whether a save may return before ``inner`` has written the file (the asynchronous IO's does).
+    writes_in_background = False
 
     def __init__(self, inner: CheckpointIO) -> None:
         self.inner = inner

@@ -35,9 +35,9 @@ nor pruned (``remove_unreferenced_blobs`` removes nothing and warns); runs share
 saving into one checkpoint folder, where every checkpoint's references are counted. Only regular files
 named by a sha256 are ever removed from a store, never a symlink; object stores have no symlinks.
 
-Reading needs no plugin: every :class:`~trainer_core.plugins.io.torch_io.TorchCheckpointIO` load
-resolves references (:func:`resolve_blob_references`), so ``load_from_checkpoint``, every training
-plugin and the checkpoint CLI get an ordinary checkpoint. Each blob is checked before anything loads:
+Reading needs no plugin: every load of a torch file resolves references (the reader table,
+``readers``, with :func:`~trainer_core.plugins.io.blobs.resolve_blob_references`), so
+``load_from_checkpoint``, every training plugin and the checkpoint CLI get an ordinary checkpoint. Each blob is checked before anything loads:
 its size, and its sha256. Hashing costs about as much as reading the blob from the page cache, once per
 load (blobs are hashed in parallel); a frozen base that loaded wrong would be silently wrong forever,
 so the check is not optional. A missing or damaged blob is one error that names it and the checkpoint.
@@ -45,11 +45,9 @@ so the check is not optional. A missing or damaged blob is one error that names 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import posixpath
-import re
 import sys
 import threading
 from collections.abc import Mapping
@@ -63,6 +61,17 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.spec import AbstractBufferedFile
 
+from trainer_core.checkpoint.files import (
+    COMMIT_MARKER_SUFFIX,
+    MAX_UPLOAD_PARTS,
+    MIN_UPLOAD_PART_BYTES,
+    UPLOAD_PART_BYTES,
+    commit_marker_path,
+    is_temporary_name,
+    publish_local,
+    remove_abandoned_temporaries,
+    write_commit_marker,
+)
 from trainer_core.checkpoint.format import (
     BLOB_REF_DTYPE,
     BLOB_REF_SHAPE,
@@ -76,47 +85,45 @@ from trainer_core.checkpoint.format import (
     KEY_STATE_DICT,
     load_weights_only,
 )
-from trainer_core.checkpoint.stream import publish_local
 from trainer_core.errors import CheckpointError, MisconfigurationException
 from trainer_core.paths import PathLike, is_local
-from trainer_core.plugins.io.async_io import AsyncCheckpointIO
-from trainer_core.plugins.io.checkpoint_io import (
-    COMMIT_MARKER_SUFFIX,
-    CheckpointIO,
-    WrappingCheckpointIO,
-    commit_marker_path,
-    is_temporary_name,
-    read_commit_marker,
-    remove_abandoned_temporaries,
-    write_commit_marker,
+from trainer_core.plugins.io.blobs import (
+    SHA256_NAME,
+    STORE_NAME,
+    base_name,
+    blob_size,
+    hashing_threads,
+    is_blob_reference,
+    parent_path,
+    read_blob,
+    referenced_blobs,
+    resolve_blob_references,
+    sha256_hex,
 )
+from trainer_core.plugins.io.checkpoint_io import CheckpointIO, WrappingCheckpointIO
 from trainer_core.plugins.io.torch_io import TorchCheckpointIO
-from trainer_core.utilities import listing, rank_zero_warn
+from trainer_core.utilities import rank_zero_warn
 
-#: The store's folder name beside the checkpoints (recorded in each file, so a reader finds it).
-STORE_NAME = "blobs"
+__all__ = [
+    "CHECKPOINT_SUFFIX",
+    "REFS_FOLDER",
+    "STORE_NAME",
+    "FrozenBlobCheckpointIO",
+    "is_blob_reference",
+    "referenced_blobs",
+    "resolve_blob_references",
+]
+
 #: Inside the store: the list of blobs each checkpoint references, ``<checkpoint name>.json``.
 REFS_FOLDER = "refs"
 #: Checkpoints written without a list (copies made by hand) are found by this suffix and read.
 CHECKPOINT_SUFFIX = ".ckpt"
 
-_SHA256_NAME = re.compile(r"^[0-9a-f]{64}$")
 _MANIFEST_WRITER = "trainer-core"
 _FINGERPRINT_SAMPLES = 16
-_UPLOAD_PART_BYTES = 8 * 2**20
-_MIN_UPLOAD_PART_BYTES = 5 * 2**20
-
-
-def _threads() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
 
 
 # ---------------------------------------------------------------------- references
-
-
-def is_blob_reference(value: Any) -> bool:
-    """Whether ``value`` is a reference to a blob in place of a tensor."""
-    return isinstance(value, Mapping) and BLOB_REF_TAG in value
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -129,34 +136,6 @@ def _reference(sha256: str, tensor: torch.Tensor) -> dict[str, Any]:
         BLOB_REF_DTYPE: _dtype_name(tensor.dtype),
         BLOB_REF_SHAPE: list(tensor.shape),
     }
-
-
-@dataclass(frozen=True)
-class _Ref:
-    sha256: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * torch.empty(0, dtype=self.dtype).element_size()
-
-
-def _parse_reference(value: Mapping[str, Any]) -> Optional[_Ref]:
-    sha, dtype_name, shape = value.get(BLOB_REF_TAG), value.get(BLOB_REF_DTYPE), value.get(BLOB_REF_SHAPE)
-    dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
-    if (
-        not isinstance(sha, str)
-        or not _SHA256_NAME.match(sha)
-        or not isinstance(dtype, torch.dtype)
-        or not isinstance(shape, (list, tuple))
-        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
-    ):
-        return None
-    return _Ref(sha, dtype, tuple(shape))
 
 
 def _storable(tensor: Any) -> bool:
@@ -177,13 +156,6 @@ def _tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def _sha256(data: torch.Tensor) -> str:
-    digest = hashlib.sha256()
-    if data.numel():
-        digest.update(data.numpy())  # hashlib releases the GIL: blobs hash in parallel on threads
-    return digest.hexdigest()
-
-
 def _fingerprint(tensor: torch.Tensor) -> bytes:
     """A few of the tensor's values, evenly spread: a change made behind torch's version counter shows here."""
     numel = tensor.numel()
@@ -195,22 +167,6 @@ def _fingerprint(tensor: torch.Tensor) -> bytes:
 
 
 # ---------------------------------------------------------------------- the store on storage
-
-
-def _parent(fs_path: str) -> str:
-    return posixpath.dirname(fs_path.rstrip("/"))
-
-
-def _name(fs_path: str) -> str:
-    return posixpath.basename(fs_path.rstrip("/"))
-
-
-def _store_name_of(checkpoint: Mapping[str, Any]) -> str:
-    info = checkpoint.get(KEY_BLOBS)
-    name = info.get(BLOBS_STORE) if isinstance(info, Mapping) else None
-    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
-        return STORE_NAME
-    return name
 
 
 def _linked_part(fs: fsspec.AbstractFileSystem, store: str) -> str:
@@ -263,23 +219,6 @@ def _write_manifest(fs: fsspec.AbstractFileSystem, path: str, hashes: set[str]) 
     _write_small_file(fs, path, json.dumps(body).encode())
 
 
-def _blob_size(fs: fsspec.AbstractFileSystem, path: str) -> Optional[int]:
-    """The size of the published blob at ``path``, or ``None`` if there is none (an object needs its marker)."""
-    if is_local(fs):
-        try:
-            return os.stat(path).st_size
-        except OSError:
-            return None
-    marker = read_commit_marker(fs, path)
-    if marker is None:
-        return None
-    try:
-        size = fs.size(path)
-    except (FileNotFoundError, OSError):
-        return None
-    return size if marker.get("size") in (None, size) else None
-
-
 def _publish_blob(fs: fsspec.AbstractFileSystem, path: str, data: torch.Tensor) -> None:
     """Write the blob ``data`` (flat uint8) at ``path``: a reader sees no blob or the whole one."""
     view = memoryview(data.numpy()) if data.numel() else memoryview(b"")
@@ -289,8 +228,8 @@ def _publish_blob(fs: fsspec.AbstractFileSystem, path: str, data: torch.Tensor) 
     if isinstance(fs, MemoryFileSystem):
         fs.pipe_file(path, bytes(view))
     else:
-        part = max(_UPLOAD_PART_BYTES, len(view) // 9_000 + 1)
-        file = fs.open(path, "wb", block_size=max(part, _MIN_UPLOAD_PART_BYTES), autocommit=False)
+        part = max(UPLOAD_PART_BYTES, len(view) // MAX_UPLOAD_PARTS + 1)
+        file = fs.open(path, "wb", block_size=max(part, MIN_UPLOAD_PART_BYTES), autocommit=False)
         if not isinstance(file, AbstractBufferedFile):
             file.close()
             raise NotImplementedError(
@@ -323,136 +262,6 @@ def _remove_blob(fs: fsspec.AbstractFileSystem, path: str) -> None:
             fs.rm(commit_marker_path(path))  # first: a blob without its marker is never taken as present
     with suppress(FileNotFoundError):
         fs.rm(path)
-
-
-def _read_blob(
-    fs: fsspec.AbstractFileSystem, path: str, nbytes: int, mmap: bool
-) -> tuple[Optional[torch.Tensor], str]:
-    """The blob at ``path`` as flat uint8, checked against ``nbytes`` and its name; or ``None`` and why not."""
-    size = _blob_size(fs, path)
-    if size is None:
-        return None, "missing"
-    if size != nbytes:
-        return None, f"{size} bytes where {nbytes} were written (truncated or replaced)"
-    try:
-        if nbytes == 0:
-            data = torch.empty(0, dtype=torch.uint8)
-        elif is_local(fs) and mmap:
-            # Mapped, not read: its pages stay in the page cache that every rank on the node shares.
-            data = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
-        else:
-            data = torch.empty(nbytes, dtype=torch.uint8)
-            target = memoryview(data.numpy())
-            with fs.open(path, "rb") as f:
-                done = 0
-                while done < nbytes:
-                    got = f.readinto(target[done:])
-                    if not got:
-                        return None, f"it ended after {done} of {nbytes} bytes while being read"
-                    done += got
-    except OSError as err:
-        return None, f"unreadable ({type(err).__name__}: {err})"
-    if _sha256(data) != _name(path):
-        return None, "its content does not match its sha256 (changed on disk or in transit)"
-    return data, ""
-
-
-def _to_location(tensor: torch.Tensor, map_location: Any) -> torch.Tensor:
-    if isinstance(map_location, (str, torch.device)):
-        return tensor.to(map_location)
-    return tensor  # a dict or a function maps saved devices; a blob was read on the CPU and stays there
-
-
-def resolve_blob_references(
-    checkpoint: dict[str, Any],
-    fs: fsspec.AbstractFileSystem,
-    fs_path: str,
-    display: str,
-    map_location: Any = None,
-    mmap: bool = True,
-) -> dict[str, Any]:
-    """Put the blob each reference in ``checkpoint["state_dict"]`` names in its place; returns ``checkpoint``.
-
-    ``fs_path`` is the checkpoint's path on ``fs`` (its store is beside it) and ``display`` how the user
-    spelled it. Every blob is checked (size, sha256) before any is put in, so a missing or damaged one is
-    one :class:`CheckpointError` naming each bad blob and the checkpoint, and the caller loads nothing.
-    Blobs load on the CPU (mapped from local disk when ``mmap``), or on ``map_location`` if it is a device.
-    A checkpoint without references comes back as it is.
-    """
-    state = checkpoint.get(KEY_STATE_DICT)
-    if not isinstance(state, dict):
-        return checkpoint
-    refs = {name: value for name, value in state.items() if is_blob_reference(value)}
-    if not refs:
-        return checkpoint
-    store_name = _store_name_of(checkpoint)
-    store = f"{_parent(fs_path)}/{store_name}"
-    shown_store = posixpath.join(posixpath.dirname(display.rstrip("/")), store_name)
-    parsed: dict[str, _Ref] = {}
-    malformed = []
-    for name, value in refs.items():
-        ref = _parse_reference(value)
-        if ref is None:
-            malformed.append(name)
-        else:
-            parsed[name] = ref
-    if malformed:
-        raise CheckpointError(
-            f"Could not read the checkpoint {display}: the blob references of [{listing(sorted(malformed))}] are "
-            "malformed (the file was edited or written by a broken writer). Use another checkpoint."
-        )
-    by_blob: dict[str, list[str]] = {}
-    for name, ref in parsed.items():
-        by_blob.setdefault(ref.sha256, []).append(name)
-    sizes = {sha: {parsed[name].nbytes for name in names} for sha, names in by_blob.items()}
-    problems: list[str] = []
-    for sha, size_set in sizes.items():
-        if len(size_set) > 1:
-            problems.append(
-                f"{shown_store}/{sha}: referenced with different sizes by [{listing(by_blob[sha])}]"
-            )
-    with ThreadPoolExecutor(max_workers=min(_threads(), len(by_blob))) as pool:
-        futures = {
-            sha: pool.submit(_read_blob, fs, f"{store}/{sha}", next(iter(sizes[sha])), mmap)
-            for sha in by_blob
-            if len(sizes[sha]) == 1
-        }
-        results = {sha: future.result() for sha, future in futures.items()}
-    for sha, (data, why) in results.items():
-        if data is None:
-            problems.append(f"{shown_store}/{sha}: {why} (the weights of [{listing(sorted(by_blob[sha]))}])")
-    if problems:
-        raise CheckpointError(
-            f"Could not load the checkpoint {display}: {len(problems)} of the {len(by_blob)} frozen-weight blobs it "
-            "references are missing or damaged:\n  " + "\n  ".join(problems) + "\n"
-            f"The frozen weights are written once into {shown_store}/ and shared by the checkpoints of that "
-            "folder (FrozenBlobCheckpointIO). Put the blobs back from a backup or another copy of the folder, "
-            "or load another checkpoint whose blobs are intact. Nothing was loaded."
-        )
-    for name, ref in parsed.items():
-        data = results[ref.sha256][0]
-        assert data is not None
-        tensor = (
-            data.view(ref.dtype).reshape(ref.shape) if ref.nbytes else torch.empty(ref.shape, dtype=ref.dtype)
-        )
-        state[name] = _to_location(tensor, map_location)
-    return checkpoint
-
-
-def referenced_blobs(checkpoint: Mapping[str, Any]) -> set[str]:
-    """The sha256 of every blob ``checkpoint`` references (as read, before its references are resolved)."""
-    found: set[str] = set()
-    info = checkpoint.get(KEY_BLOBS)
-    if isinstance(info, Mapping) and isinstance(info.get(BLOBS_SHA256), list):
-        found.update(h for h in info[BLOBS_SHA256] if isinstance(h, str))
-    state = checkpoint.get(KEY_STATE_DICT)
-    if isinstance(state, Mapping):
-        found.update(
-            v[BLOB_REF_TAG]
-            for v in state.values()
-            if is_blob_reference(v) and isinstance(v[BLOB_REF_TAG], str)
-        )
-    return found
 
 
 def _blobs_of_file(fs: fsspec.AbstractFileSystem, path: str) -> Optional[set[str]]:
@@ -581,8 +390,8 @@ class FrozenBlobCheckpointIO(WrappingCheckpointIO):
         names = checkpoint.get(KEY_FROZEN_PARAMETERS)
         state = checkpoint.get(KEY_STATE_DICT)
         fs, fs_path = self._resolve_with(path, storage_options)
-        store = f"{_parent(fs_path)}/{STORE_NAME}"
-        manifest = _manifest_path(store, _name(fs_path))
+        store = f"{parent_path(fs_path)}/{STORE_NAME}"
+        manifest = _manifest_path(store, base_name(fs_path))
         frozen = (
             {name: state[name] for name in names if name in state and _storable(state[name])}
             if isinstance(names, list) and isinstance(state, dict)
@@ -644,7 +453,7 @@ class FrozenBlobCheckpointIO(WrappingCheckpointIO):
             else:
                 todo[name] = tensor
         if todo:
-            with ThreadPoolExecutor(max_workers=min(_threads(), len(todo))) as pool:
+            with ThreadPoolExecutor(max_workers=min(hashing_threads(), len(todo))) as pool:
                 done = dict(
                     zip(todo, pool.map(lambda t: self._hash_and_publish(fs, store, t), todo.values()))
                 )
@@ -663,7 +472,7 @@ class FrozenBlobCheckpointIO(WrappingCheckpointIO):
 
     def _hash_and_publish(self, fs: fsspec.AbstractFileSystem, store: str, tensor: torch.Tensor) -> str:
         data = _tensor_bytes(tensor)
-        sha = _sha256(data)
+        sha = sha256_hex(data)
         blob = f"{store}/{sha}"
         with self._lock:
             if blob in self._present:
@@ -671,8 +480,8 @@ class FrozenBlobCheckpointIO(WrappingCheckpointIO):
         # Met for the first time in this run: a blob already there (an earlier run's) is used if its size
         # is right; on local disk it is also read and hashed once, so a damaged one is replaced instead of
         # being referenced again (an object store checks what it stores itself, and a read is a download).
-        size = _blob_size(fs, blob)
-        damaged = size == data.numel() and is_local(fs) and _read_blob(fs, blob, size, mmap=True)[0] is None
+        size = blob_size(fs, blob)
+        damaged = size == data.numel() and is_local(fs) and read_blob(fs, blob, size, mmap=True)[0] is None
         if size != data.numel() or damaged:
             _publish_blob(fs, blob, data)
         with self._lock:
@@ -685,10 +494,12 @@ class FrozenBlobCheckpointIO(WrappingCheckpointIO):
         """Link as ``inner`` does; ``dst`` references the blobs ``src`` does, and its list says so first."""
         src_fs, src_path = self._resolve(src)
         fs, dst_path = self._resolve(dst)
-        store = f"{_parent(dst_path)}/{STORE_NAME}"
+        store = f"{parent_path(dst_path)}/{STORE_NAME}"
         _check_own_store(fs, store, os.fspath(dst))
-        source = _read_manifest(src_fs, _manifest_path(f"{_parent(src_path)}/{STORE_NAME}", _name(src_path)))
-        manifest = _manifest_path(store, _name(dst_path))
+        source = _read_manifest(
+            src_fs, _manifest_path(f"{parent_path(src_path)}/{STORE_NAME}", base_name(src_path))
+        )
+        manifest = _manifest_path(store, base_name(dst_path))
         previous = _read_manifest(fs, manifest)
         if source or previous:
             _write_manifest(fs, manifest, (source or set()) | (previous or set()))
@@ -709,9 +520,9 @@ class FrozenBlobCheckpointIO(WrappingCheckpointIO):
             self.inner.remove_checkpoint(path)
         self._narrow_manifests()  # the wrapped IO's pending writes are done: removing waited for them
         fs, fs_path = self._resolve(path)
-        folder = _parent(fs_path)
+        folder = parent_path(fs_path)
         with suppress(FileNotFoundError):
-            manifest = _manifest_path(f"{folder}/{STORE_NAME}", _name(fs_path))
+            manifest = _manifest_path(f"{folder}/{STORE_NAME}", base_name(fs_path))
             if not _linked_part(fs, f"{folder}/{STORE_NAME}") and _is_plain_file(fs, manifest):
                 fs.rm(manifest)
         try:
@@ -748,21 +559,23 @@ class FrozenBlobCheckpointIO(WrappingCheckpointIO):
         if not fs.isdir(store):
             return []
         stored = {
-            _name(p)
+            base_name(p)
             for p in fs.ls(store, detail=False)
-            if _SHA256_NAME.match(_name(p)) and _is_plain_file(fs, p)
+            if SHA256_NAME.match(base_name(p)) and _is_plain_file(fs, p)
         }
         if not stored:
             return []
         entries = {
-            _name(p)
+            base_name(p)
             for p in fs.ls(fs_folder, detail=False)
-            if not is_temporary_name(_name(p)) and not p.endswith(COMMIT_MARKER_SUFFIX)
+            if not is_temporary_name(base_name(p)) and not p.endswith(COMMIT_MARKER_SUFFIX)
         }
         refs = f"{store}/{REFS_FOLDER}"
-        listed = {_name(p)[: -len(".json")]: p for p in (fs.ls(refs, detail=False) if fs.isdir(refs) else [])}
         listed = {
-            name: p for name, p in listed.items() if _name(p).endswith(".json") and _is_plain_file(fs, p)
+            base_name(p)[: -len(".json")]: p for p in (fs.ls(refs, detail=False) if fs.isdir(refs) else [])
+        }
+        listed = {
+            name: p for name, p in listed.items() if base_name(p).endswith(".json") and _is_plain_file(fs, p)
         }
         in_use: set[str] = set()
         for name, manifest in listed.items():
@@ -840,8 +653,8 @@ def _with_references(checkpoint: dict[str, Any], hashes: dict[str, str]) -> dict
 def _defers_writes(io: CheckpointIO) -> bool:
     """Whether a save through ``io`` may return before the file is written (an AsyncCheckpointIO inside)."""
     current: Optional[CheckpointIO] = io
-    while current is not None:
-        if isinstance(current, AsyncCheckpointIO):
+    while isinstance(current, WrappingCheckpointIO):
+        if current.writes_in_background:
             return True
-        current = current.inner if isinstance(current, WrappingCheckpointIO) else None
+        current = current.inner
     return False

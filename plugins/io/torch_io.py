@@ -8,9 +8,11 @@ Why each step is there:
 * **Atomic.** On local disk the checkpoint goes to a temporary file in the same folder, is fsynced and
   renamed over the target, then the folder is fsynced: a crash leaves the old file or the new one.
   Object stores publish an upload only when it completes, so the object is written in place (the
-  upload is aborted if the save fails) and a commit marker follows (see ``checkpoint_io``).
+  upload is aborted if the save fails) and a commit marker follows (see ``trainer_core.checkpoint.files``).
 * **Safe reads.** ``torch.load(weights_only=True)`` with the format's few extra types allowed; a file
-  that names anything else (``os.system``, an unknown class) is refused before anything runs.
+  that names anything else (``os.system``, an unknown class) is refused before anything runs
+  (``torch_file``, shared with the sharded folder's reader). A sharded folder given here is read
+  by its own reader, through the reader table (``readers``).
 * **Clear errors.** Every failure becomes one :class:`~trainer_core.errors.CheckpointError` that names
   the file, says what is wrong and what to do.
 """
@@ -18,13 +20,8 @@ Why each step is there:
 from __future__ import annotations
 
 import contextlib
-import io
 import os
-import pickle
-import pickletools
-import re
 import tempfile
-import zipfile
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -33,25 +30,21 @@ import torch
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 from fsspec.spec import AbstractBufferedFile
 
-from trainer_core.checkpoint.format import (
-    KEY_BLOBS,
-    decode_byte_payloads,
-    encode_byte_payloads,
-    load_weights_only,
-    validate_checkpoint,
-)
-from trainer_core.checkpoint.stream import GuardedWriter
-from trainer_core.errors import CheckpointError, MisconfigurationException
-from trainer_core.paths import PathLike, is_local, resolve
-from trainer_core.plugins.io.checkpoint_io import (
-    CheckpointIO,
-    commit_marker_path,
+from trainer_core.checkpoint.files import (
+    MAX_UPLOAD_PARTS,
+    MIN_UPLOAD_PART_BYTES,
+    UPLOAD_PART_BYTES,
+    GuardedWriter,
     fsync_dir,
     lock_temporary,
     remove_abandoned_temporaries,
     temporary_path,
     write_commit_marker,
 )
+from trainer_core.checkpoint.format import decode_byte_payloads, encode_byte_payloads, validate_checkpoint
+from trainer_core.errors import CheckpointError, MisconfigurationException
+from trainer_core.paths import PathLike, is_local, resolve
+from trainer_core.plugins.io.checkpoint_io import CheckpointIO
 from trainer_core.plugins.io.object_store import (
     DEFAULT_CONCURRENCY,
     ParallelMultipartUpload,
@@ -59,11 +52,15 @@ from trainer_core.plugins.io.object_store import (
     download_to_local,
     supports_parallel_upload,
 )
-
-#: Object stores receive the checkpoint in parts of this size (S3 allows 10,000 parts: 80 GiB).
-UPLOAD_PART_BYTES = 8 * 2**20
-_MIN_UPLOAD_PART_BYTES = 5 * 2**20  # S3's smallest allowed part
-_MAX_UPLOAD_PARTS = 9_000  # below S3's 10,000, with room for the estimate below to be low
+from trainer_core.plugins.io.readers import (
+    FILE,
+    SHARDED_COMMIT_FILES,
+    is_sharded_file_name,
+    is_sharded_folder,
+    read_checkpoint,
+)
+from trainer_core.plugins.io.torch_file import check_record_checksums, is_zip, load_torch_file
+from trainer_core.utilities import rank_zero_warn
 
 
 def _checkpoint_nbytes(checkpoint: Any) -> int:
@@ -75,47 +72,6 @@ def _checkpoint_nbytes(checkpoint: Any) -> int:
     if isinstance(checkpoint, (list, tuple)):
         return sum(_checkpoint_nbytes(value) for value in checkpoint)
     return 0
-
-
-def _refused_global(message: str) -> Optional[str]:
-    """The global a weights-only load refused (``posix.system``), if that is why the load failed."""
-    match = re.search(r"GLOBAL ([\w.]+)", message)
-    return match.group(1) if match else None
-
-
-# Modules whose globals a PyTorch file legitimately names; anything else in a failed pickle is suspect.
-_EXPECTED_MODULES = ("torch", "collections", "numpy", "builtins", "__builtin__", "_codecs")
-
-
-def _suspect_globals(file: Any, max_pickles: int = 8) -> list[str]:
-    """Globals named by the raw pickle stream(s) in ``file`` outside the expected modules.
-
-    Torch's weights-only unpickler rejects some old-style files on an opcode before it reaches a
-    global, so "unsupported operand" cannot tell a corrupt file from one that would run code.
-    ``pickletools`` only parses (it never imports or calls anything), which makes this scan safe.
-    """
-    found: list[str] = []
-    strings: list[str] = []
-    try:
-        if zipfile.is_zipfile(file):  # torch's zip format: the object graph is the archive's data.pkl
-            file.seek(0)
-            archive = zipfile.ZipFile(file)
-            name = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
-            if name is None:
-                return []
-            file = archive.open(name)
-        file.seek(0)
-        for _ in range(max_pickles):
-            for opcode, arg, _pos in pickletools.genops(file):
-                if opcode.name == "GLOBAL":
-                    found.append(str(arg).replace(" ", "."))
-                elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
-                    found.append(f"{strings[-2]}.{strings[-1]}")
-                elif isinstance(arg, str):
-                    strings.append(arg)
-    except Exception:  # garbage, or the end of the file: what was parsed so far is the answer
-        pass
-    return [name for name in found if not name.startswith(_EXPECTED_MODULES)]
 
 
 class TorchCheckpointIO(CheckpointIO):
@@ -145,6 +101,8 @@ class TorchCheckpointIO(CheckpointIO):
             (one part after another, a streaming read), which needs no local disk space.
     """
 
+    reads = FILE
+
     def __init__(
         self,
         storage_options: Optional[dict[str, Any]] = None,
@@ -168,14 +126,10 @@ class TorchCheckpointIO(CheckpointIO):
 
     def folder_commit_files(self) -> tuple[str, ...]:
         # Any plugin resumes from a sharded folder (load_checkpoint reads it whole), so one is a
-        # complete checkpoint here too. Imported only when a folder is met: it brings in DCP.
-        from trainer_core.plugins.io.distributed_io import SHARDED_COMMIT_FILES
-
+        # complete checkpoint here too.
         return SHARDED_COMMIT_FILES
 
     def owns_folder_file(self, name: str) -> bool:
-        from trainer_core.plugins.io.distributed_io import is_sharded_file_name
-
         return is_sharded_file_name(name)
 
     # ---------------------------------------------------------------- save
@@ -223,7 +177,7 @@ class TorchCheckpointIO(CheckpointIO):
     def _save_object(
         checkpoint: dict[str, Any], fs: fsspec.AbstractFileSystem, fs_path: str, concurrency: int = 1
     ) -> None:
-        part = max(UPLOAD_PART_BYTES, _checkpoint_nbytes(checkpoint) // _MAX_UPLOAD_PARTS + 1)
+        part = max(UPLOAD_PART_BYTES, _checkpoint_nbytes(checkpoint) // MAX_UPLOAD_PARTS + 1)
         if concurrency > 1 and supports_parallel_upload(fs):
             # s3fs's own file uploads its parts one after another; this one keeps several in flight.
             upload = ParallelMultipartUpload(fs, fs_path, part_size=part, concurrency=concurrency)
@@ -241,7 +195,7 @@ class TorchCheckpointIO(CheckpointIO):
             # memory:// publishes a file as soon as it is opened; build it aside and publish it whole.
             file: Any = MemoryFile(fs, fs._strip_protocol(fs_path))
         else:
-            file = fs.open(fs_path, "wb", block_size=max(part, _MIN_UPLOAD_PART_BYTES), autocommit=False)
+            file = fs.open(fs_path, "wb", block_size=max(part, MIN_UPLOAD_PART_BYTES), autocommit=False)
         if not isinstance(file, (AbstractBufferedFile, MemoryFile)):
             file.close()
             raise NotImplementedError(
@@ -268,11 +222,16 @@ class TorchCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: PathLike, map_location: Optional[Any] = None) -> dict[str, Any]:
         """Read and validate the checkpoint at ``path``; every failure is a :class:`CheckpointError`.
 
-        The file is read with ``weights_only=True`` and only the format's safe globals allowed, so a
+        A sharded folder is read whole, by its own reader (see :mod:`~trainer_core.plugins.io.readers`),
+        so any plugin, at any world size, can resume from one. The file is read with ``weights_only=True`` and only the format's safe globals allowed, so a
         file that asks to run code is refused before anything executes. An explicitly named file is
         read even without a commit marker (a checkpoint copied in by hand has none); readers that
         *choose* a checkpoint use :meth:`list_complete`, which skips unmarked ones.
         """
+        return read_checkpoint(self, path, map_location, self.storage_options)
+
+    def _read(self, path: PathLike, map_location: Optional[Any]) -> dict[str, Any]:
+        """The torch file at ``path``, read and validated (frozen-weight references left for the caller)."""
         display = os.fspath(path)
         fs, fs_path = self._resolve(path)
         if not fs.exists(fs_path):
@@ -281,11 +240,6 @@ class TorchCheckpointIO(CheckpointIO):
                 'ckpt_path="last" picks the newest complete checkpoint of the run instead.'
             )
         if fs.isdir(fs_path):
-            from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO, is_sharded_checkpoint
-
-            if is_sharded_checkpoint(path, self.storage_options):
-                # A sharded checkpoint read whole: any plugin, at any world size, can resume from it.
-                return DistributedCheckpointIO(self.storage_options).load_checkpoint(path, map_location)
             raise CheckpointError(
                 f"{display} is a folder, not a checkpoint file or a sharded checkpoint; pass the path of a .ckpt "
                 "file inside it."
@@ -293,25 +247,19 @@ class TorchCheckpointIO(CheckpointIO):
         # A copy every rank of this node reads, downloaded once by ParallelPlugin.load_checkpoint.
         local_copy = _PREFETCHED.get(_prefetch_key(fs, fs_path))
         if self.verify_checksums:
-            _verify_checksums(*((_local_fs(), local_copy) if local_copy else (fs, fs_path)), display)
+            check_record_checksums(*((_local_fs(), local_copy) if local_copy else (fs, fs_path)), display)
         if local_copy is not None:
-            mapped = self.mmap and _is_zip(local_copy)
+            mapped = self.mmap and is_zip(local_copy)
             checkpoint = decode_byte_payloads(
-                self._torch_load(_local_fs(), local_copy, display, map_location, mapped)
+                load_torch_file(_local_fs(), local_copy, display, map_location, mapped)
             )
         elif self._downloads(fs):  # an object store: one parallel download, then read as a local file
             checkpoint = decode_byte_payloads(self._load_downloaded(fs, fs_path, display, map_location))
         else:
-            mapped = self.mmap and is_local(fs) and _is_zip(fs_path)
-            checkpoint = decode_byte_payloads(self._torch_load(fs, fs_path, display, map_location, mapped))
+            mapped = self.mmap and is_local(fs) and is_zip(fs_path)
+            checkpoint = decode_byte_payloads(load_torch_file(fs, fs_path, display, map_location, mapped))
         # A PyTorch Lightning checkpoint is returned as it is; loading it into a module converts it.
         validate_checkpoint(checkpoint, display, accept_lightning=True)
-        if (
-            KEY_BLOBS in checkpoint
-        ):  # frozen weights stored apart (FrozenBlobCheckpointIO): read and check them
-            from trainer_core.plugins.io.frozen_io import resolve_blob_references
-
-            resolve_blob_references(checkpoint, fs, fs_path, display, map_location, mmap=self.mmap)
         return checkpoint
 
     def _downloads(self, fs: fsspec.AbstractFileSystem) -> bool:
@@ -338,64 +286,11 @@ class TorchCheckpointIO(CheckpointIO):
                     f"Could not download the checkpoint {display}: {err}. Nothing was loaded; check the "
                     "connection and credentials and load again."
                 ) from err
-            mapped = self.mmap and _is_zip(local_path)
-            return self._torch_load(local_fs, local_path, display, map_location, mapped)
+            mapped = self.mmap and is_zip(local_path)
+            return load_torch_file(local_fs, local_path, display, map_location, mapped)
         finally:
             with contextlib.suppress(OSError):
                 os.remove(local_path)
-
-    @staticmethod
-    def _torch_load(
-        fs: fsspec.AbstractFileSystem,
-        fs_path: str,
-        display: str,
-        map_location: Optional[Any],
-        mmap: bool = False,
-    ) -> Any:
-        try:
-            if mmap:  # a local zip file: mapped, its pages shared with every process that maps it
-                loaded = load_weights_only(
-                    lambda: torch.load(fs_path, map_location=map_location, weights_only=True, mmap=True),
-                    display,
-                )
-                return _small_tensors_copied(loaded)
-            with fs.open(fs_path, "rb") as f:
-                return load_weights_only(
-                    lambda: torch.load(ExactReader(f), map_location=map_location, weights_only=True), display
-                )
-        except CheckpointError:
-            raise
-        except ShortReadError as err:
-            raise CheckpointError(_short_read_message(display, err)) from err
-        except pickle.UnpicklingError as err:
-            refused = _refused_global(str(err))
-            if refused is None:
-                with fs.open(fs_path, "rb") as f:
-                    refused = ", ".join(_suspect_globals(f)[:3]) or None
-                unbuildable = re.search(r"Can only [^\n]*", str(err))
-                if refused is not None and unbuildable is not None:
-                    # Allowed classes, pickled in a way the weights-only unpickler never rebuilds: registering
-                    # them (again) cannot help, so this error must not advise it.
-                    raise CheckpointError(
-                        f"Could not load {display}: it holds an object ({refused}) that loading without running "
-                        f"code cannot rebuild, even when its class is registered ({unbuildable.group(0)}). "
-                        "Re-save the checkpoint with plain values (dicts, lists, numbers, strings, tensors) in "
-                        "its hyper-parameters and states."
-                    ) from None
-            if refused is not None:
-                raise CheckpointError(
-                    f"Refused to load {display}: it asks to call or construct {refused} while loading, and "
-                    "trainer-core never runs code from a checkpoint. If the file is yours and the class is "
-                    "trusted, register it with trainer_core.checkpoint.register_safe_globals; otherwise "
-                    "delete the file."
-                ) from None
-            raise CheckpointError(_corrupt_message(display, err)) from None
-        except Exception as err:
-            short_read = _short_read_cause(err)
-            if short_read is not None:  # raised inside torch's reader and re-raised as something else
-                raise CheckpointError(_short_read_message(display, short_read)) from err
-            # torch raises many kinds on garbage (IndexError, KeyError, ...): each is a corrupt file here.
-            raise CheckpointError(_corrupt_message(display, err)) from err
 
     # ---------------------------------------------------------------- remove
 
@@ -410,88 +305,15 @@ class TorchCheckpointIO(CheckpointIO):
         if is_local(fs) and os.path.islink(fs_path):
             os.remove(fs_path)
             return
-        if fs.isdir(fs_path):
-            from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO, is_sharded_checkpoint
-
-            if is_sharded_checkpoint(path, self.storage_options):
-                DistributedCheckpointIO(self.storage_options).remove_checkpoint(path)
-            else:
-                from trainer_core.utilities import rank_zero_warn
-
-                rank_zero_warn(
-                    f"Did not remove {os.fspath(path)}: it is a folder, not a checkpoint file or a sharded "
-                    "checkpoint, so trainer-core wrote nothing in it. Remove it yourself if it is not needed."
-                )
-            return
-        marker = commit_marker_path(fs_path)
-        if not is_local(fs) and fs.exists(marker):
-            fs.rm(marker)
-        if fs.exists(fs_path):
-            fs.rm(fs_path)
-
-
-class ShortReadError(OSError):
-    """The storage returned fewer bytes than asked for, before the end of the file."""
-
-
-class ExactReader:
-    """A read-only view of ``file`` whose reads return every byte asked for up to the end, or raise.
-
-    A short read from a flaky filesystem would otherwise reach ``torch.load`` as a truncated
-    record and be reported as a corrupt file, although the file itself may be fine.
-    """
-
-    def __init__(self, file: Any) -> None:
-        self._file = file
-        self._size = _file_size(file)
-        self.last_error: Optional[ShortReadError] = None
-
-    def read(self, size: int = -1) -> bytes:
-        start = self._file.tell()
-        data = self._file.read(size)
-        if self._size is not None:
-            expected = self._size - start if size is None or size < 0 else min(size, self._size - start)
-            if len(data) < expected:
-                self.last_error = ShortReadError(
-                    f"short read: asked for {expected} bytes at offset {start} of a {self._size}-byte file, "
-                    f"got {len(data)}"
-                )
-                raise self.last_error
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(memoryview(buffer).cast("B")))
-        memoryview(buffer).cast("B")[: len(data)] = data
-        return len(data)
-
-    def __getattr__(self, name: str) -> Any:  # seek, tell, readline, seekable, ...
-        return getattr(self._file, name)
-
-
-#: Tensors of a mapped checkpoint up to this size are copied out of the mapping as soon as it is read.
-SMALL_TENSOR_BYTES = 64 * 2**10
-
-
-def _small_tensors_copied(obj: Any) -> Any:
-    """``obj`` (a mapped checkpoint) with every tensor of at most ``SMALL_TENSOR_BYTES`` copied into memory.
-
-    Any tensor still pointing into the mapping keeps the whole file mapped. Large tensors (weights,
-    optimizer moments) are copied where they are loaded; small ones (scores a callback keeps, step
-    counters, generator states, a loader's position) would otherwise pin the file for the rest of
-    the run: its disk space after retention deletes it, and a crash (SIGBUS) if something truncates
-    it in place. Dicts and lists are changed in place, as ``decode_byte_payloads`` does.
-    """
-    if type(obj) is torch.Tensor:
-        return obj.clone() if obj.numel() * obj.element_size() <= SMALL_TENSOR_BYTES else obj
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            obj[key] = _small_tensors_copied(value)
-    elif isinstance(obj, list):
-        for index, value in enumerate(obj):
-            obj[index] = _small_tensors_copied(value)
-    elif isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_small_tensors_copied(value) for value in obj)
-    return obj
+        if not fs.isdir(fs_path):
+            self._remove_file(fs, fs_path)
+        elif is_sharded_folder(fs, fs_path):
+            self._remove_folder(fs, fs_path, os.fspath(path))
+        else:
+            rank_zero_warn(
+                f"Did not remove {os.fspath(path)}: it is a folder, not a checkpoint file or a sharded "
+                "checkpoint, so trainer-core wrote nothing in it. Remove it yourself if it is not needed."
+            )
 
 
 #: ``(protocol, path)`` of a checkpoint on an object store -> a local copy of it (see :func:`prefetched`).
@@ -522,81 +344,3 @@ def prefetched(fs: fsspec.AbstractFileSystem, fs_path: str, local_path: str) -> 
         yield
     finally:
         _PREFETCHED.pop(key, None)
-
-
-def _is_zip(local_path: str) -> bool:
-    """Whether the local file is in torch's zip format, the only one ``torch.load(mmap=True)`` maps."""
-    try:
-        with open(local_path, "rb") as f:
-            return f.read(4) == b"PK\x03\x04"
-    except OSError:
-        return False  # the streaming read reports what is wrong
-
-
-def _file_size(file: Any) -> Optional[int]:
-    size = getattr(file, "size", None)
-    if isinstance(size, int):
-        return size
-    try:
-        return os.fstat(file.fileno()).st_size
-    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        pass
-    try:
-        position = file.tell()
-        end = file.seek(0, os.SEEK_END)
-        file.seek(position)
-        return end
-    except Exception:
-        return None
-
-
-def _short_read_cause(err: BaseException) -> Optional[ShortReadError]:
-    seen: set[int] = set()
-    current: Optional[BaseException] = err
-    while current is not None and id(current) not in seen:
-        if isinstance(current, ShortReadError):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
-
-
-def _short_read_message(display: str, err: BaseException) -> str:
-    return (
-        f"Could not read the checkpoint {display}: the storage returned fewer bytes than asked for ({err}). "
-        "The file itself may be intact; check the storage (network, mount) and load again. Nothing was changed."
-    )
-
-
-def _verify_checksums(fs: fsspec.AbstractFileSystem, fs_path: str, display: str) -> None:
-    """Raise :class:`CheckpointError` if a record of the zip checkpoint at ``fs_path`` fails its CRC-32."""
-    try:
-        with fs.open(fs_path, "rb") as f:
-            try:
-                archive = zipfile.ZipFile(ExactReader(f))
-            except zipfile.BadZipFile:
-                return  # not a zip (an old-style pickle file): torch.load reports what it is
-            bad = archive.testzip()
-    except ShortReadError as err:
-        raise CheckpointError(_short_read_message(display, err)) from err
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
-        raise CheckpointError(_corrupt_message(display, err)) from err
-    if bad is not None:
-        raise CheckpointError(
-            f"Checksum mismatch in the checkpoint {display}: its record {bad!r} differs from what was written "
-            "(a bit flipped on disk or in transit). Use another checkpoint, e.g. an earlier one of the same run."
-        )
-
-
-def _corrupt_message(display: str, err: BaseException) -> str:
-    text = str(err)
-    # torch's weights-only errors open with advice to disable weights_only; the cause comes later.
-    if "WeightsUnpickler error:" in text:
-        text = text.split("WeightsUnpickler error:", 1)[1]
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    cause = lines[0] if lines else type(err).__name__
-    return (
-        f"Could not read the checkpoint {display}: the file is truncated, corrupt or not a PyTorch "
-        f"checkpoint ({type(err).__name__}: {cause}). Use another checkpoint, e.g. an earlier one of "
-        'the same run, or ckpt_path="last".'
-    )

@@ -284,8 +284,9 @@ def consolidate(
     link, its target untouched). An ``out`` inside ``sharded_dir`` (or that is it, or holds it) is
     refused before anything is written. Returns :func:`summarize`'s report of what was written.
     """
+    from trainer_core.checkpoint.files import publish_file
     from trainer_core.checkpoint.format import encode_byte_payloads
-    from trainer_core.checkpoint.stream import ShardedSource, iter_lazy_tensors, publish_file, write_torch_zip
+    from trainer_core.checkpoint.stream import ShardedSource, iter_lazy_tensors, write_torch_zip
 
     options = dict(storage_options or {})
     src, dst = os.fspath(sharded_dir), os.fspath(out)

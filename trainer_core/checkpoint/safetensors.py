@@ -45,13 +45,17 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
-from trainer_core.checkpoint.stream import (
-    LazyTensor,
+from trainer_core.checkpoint.files import (
+    commit_marker_path,
+    fsync_dir,
+    lock_temporary,
     publish_file,
-    read_exact,
-    release_freed_memory,
-    tensor_bytes,
+    remove_abandoned_temporaries,
+    replace_entry,
+    temporary_path,
+    write_commit_marker,
 )
+from trainer_core.checkpoint.stream import LazyTensor, read_exact, release_freed_memory, tensor_bytes
 from trainer_core.errors import CheckpointError
 from trainer_core.paths import PathLike, is_local, resolve
 from trainer_core.utilities import listing
@@ -255,8 +259,6 @@ def _publish_folder(
 
 def _publish_new_local_folder(path: str, files: Mapping[str, Sequence[_Entry]], index: Optional[str]) -> None:
     """Build the folder under a temporary name next to ``path`` and rename it to ``path``."""
-    from trainer_core.plugins.io.checkpoint_io import fsync_dir, remove_abandoned_temporaries, replace_entry
-
     parent = os.path.dirname(path.rstrip("/")) or "."
     os.makedirs(parent, exist_ok=True)
     remove_abandoned_temporaries(parent)
@@ -280,8 +282,6 @@ def _publish_into_local_folder(
     link of that name is replaced as a link, its target untouched); then what a previous write of
     ours left under another of our names is removed (:func:`_remove_stale_files`).
     """
-    from trainer_core.plugins.io.checkpoint_io import fsync_dir, remove_abandoned_temporaries
-
     paths = [os.path.join(folder, name) for name in names]
     blocked = [path for path in paths if os.path.isdir(path) and not os.path.islink(path)]
     if blocked:
@@ -307,8 +307,6 @@ def _publish_into_local_folder(
 @contextlib.contextmanager
 def _temporary_folder(path: str) -> Any:
     """A new folder of our temporary pattern next to ``path``, locked while in use, removed if anything fails."""
-    from trainer_core.plugins.io.checkpoint_io import lock_temporary, temporary_path
-
     temp = temporary_path(path)
     os.mkdir(temp)
     held = os.open(temp, os.O_RDONLY | os.O_DIRECTORY)
@@ -323,8 +321,6 @@ def _temporary_folder(path: str) -> Any:
 
 
 def _write_files(folder: str, files: Mapping[str, Sequence[_Entry]], index: Optional[str]) -> None:
-    from trainer_core.plugins.io.checkpoint_io import fsync_dir
-
     for name, shard in files.items():
         _write_local(os.path.join(folder, name), lambda f, shard=shard: write_safetensors_file(f, shard))
     if index is not None:
@@ -341,8 +337,6 @@ def _publish_to_object_store(
     options: dict[str, Any],
 ) -> None:
     """No rename on an object store: the folder's commit marker says when it is whole (removed first, written last)."""
-    from trainer_core.plugins.io.checkpoint_io import commit_marker_path, write_commit_marker
-
     base = fs_path.rstrip("/")
     if fs.exists(commit_marker_path(base)):
         fs.rm(commit_marker_path(base))

@@ -14,9 +14,8 @@ checkpoint's structure is known first and its tensors are read one at a time:
   needs seeks (no object store has them) and the CRC-32 of each record would have to be patched.
 * :class:`ShardedSource` reads a ``torch.distributed.checkpoint`` folder in this process, without
   a process group: its small non-tensor part at once, each tensor on its own when asked.
-* :func:`publish_file` writes a file atomically on any fsspec URL (a temporary renamed over the
-  target on local disk; an upload published whole, then a commit marker, on object stores), as
-  :class:`~trainer_core.plugins.io.TorchCheckpointIO` does for a whole checkpoint.
+
+Publishing the written file atomically is :func:`trainer_core.checkpoint.files.publish_file`'s job.
 """
 
 from __future__ import annotations
@@ -34,11 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from trainer_core.errors import CheckpointError
-from trainer_core.paths import PathLike, is_local, resolve
-
-#: Object stores receive a streamed file in parts of this size (S3 allows 10,000 parts: 80 GiB).
-UPLOAD_PART_BYTES = 8 * 2**20
-_MAX_UPLOAD_PARTS = 9_000  # below S3's 10,000
+from trainer_core.paths import PathLike
 
 
 @dataclass(eq=False)
@@ -236,125 +231,6 @@ def _real_storage_id(
     return ("storage", storage_type, key, torch.serialization.location_tag(storage), numel)
 
 
-# ---------------------------------------------------------------------- atomic publication
-class GuardedWriter:
-    """What the zip writer writes into: bounded pieces, and the first error kept.
-
-    An exception raised by ``write`` inside torch's C++ zip writer comes back out as an unrelated
-    ``RuntimeError`` ("unexpected pos ..."); the real cause (disk full, connection reset) is kept here
-    and raised after the write.
-    """
-
-    def __init__(self, file: Any, max_piece: Optional[int]) -> None:
-        self._file = file
-        self._max_piece = max_piece
-        self.error: Optional[BaseException] = None
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        if self.error is None:
-            try:
-                if self._max_piece is None:
-                    self._file.write(view)
-                else:
-                    for start in range(0, len(view), self._max_piece):
-                        self._file.write(view[start : start + self._max_piece])
-            except Exception as err:
-                self.error = err
-        return len(view)
-
-    def flush(self) -> None:
-        if self.error is None:
-            try:
-                self._file.flush()
-            except Exception as err:
-                self.error = err
-
-    def raise_error(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-
-def publish_file(
-    url: str,
-    write: Callable[[Any], None],
-    storage_options: Optional[dict[str, Any]] = None,
-    expected_bytes: int = 0,
-    marker: bool = True,
-) -> None:
-    """Write the file ``url`` with ``write(file)`` so that a reader sees the previous file or the new one whole.
-
-    Local disk: a locked temporary next to it, fsynced and renamed over ``url``. Object stores and
-    ``memory://``: an upload published only when complete (aborted on failure), then the commit
-    marker readers check (``marker=False``: none, for a file inside a folder that gets one marker).
-    ``expected_bytes`` sizes the upload parts.
-    """
-    from trainer_core.plugins.io.checkpoint_io import write_commit_marker
-
-    fs, fs_path = resolve(url, **(storage_options or {}))
-    if is_local(fs):
-        publish_local(fs_path, write)
-        return
-    from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
-    from fsspec.spec import AbstractBufferedFile
-
-    part = max(UPLOAD_PART_BYTES, expected_bytes // _MAX_UPLOAD_PARTS + 1)
-    if isinstance(fs, MemoryFileSystem):
-        file: Any = MemoryFile(fs, fs._strip_protocol(fs_path))  # memory:// publishes on open otherwise
-    else:
-        file = fs.open(fs_path, "wb", block_size=part, autocommit=False)
-    if not isinstance(file, (AbstractBufferedFile, MemoryFile)):
-        file.close()
-        raise CheckpointError(
-            f"{url}: {type(fs).__name__} cannot publish a file atomically; write to local disk, memory:// or an "
-            "object store (s3://, gs://, az://)."
-        )
-    try:
-        guarded = GuardedWriter(file, max_piece=part)
-        write(guarded)
-        guarded.raise_error()
-        if isinstance(file, AbstractBufferedFile):
-            file.close()  # uploads the last part; with autocommit=False nothing is published yet
-        file.commit()
-    except BaseException:
-        with contextlib.suppress(Exception):
-            file.discard()  # aborts the multipart upload: the previous object stays
-        if isinstance(file, AbstractBufferedFile):
-            file.closed = True  # keeps __del__ from uploading a torn tail
-        raise
-    if marker:
-        write_commit_marker(fs, fs_path, size=fs.size(fs_path))
-
-
-def publish_local(path: str, write: Callable[[Any], None]) -> None:
-    """Write the local file ``path`` with ``write(file)``: a locked temporary, fsynced, renamed over it."""
-    from trainer_core.plugins.io.checkpoint_io import (
-        fsync_dir,
-        lock_temporary,
-        remove_abandoned_temporaries,
-        temporary_path,
-    )
-
-    parent = os.path.dirname(path) or "."
-    os.makedirs(parent, exist_ok=True)
-    remove_abandoned_temporaries(parent)  # what a killed writer left here
-    temp = temporary_path(path)
-    try:
-        with open(temp, "wb") as f:
-            lock_temporary(f.fileno())  # a live writer's temporary is never cleaned up
-            guarded = GuardedWriter(f, max_piece=None)
-            write(guarded)
-            guarded.raise_error()
-            f.flush()
-            os.fsync(f.fileno())
-            os.replace(temp, path)  # while still locked
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(temp)
-        raise
-    fsync_dir(parent)
-
-
 # ---------------------------------------------------------------------- reading a sharded folder
 class ShardedSource:
     """A sharded (``torch.distributed.checkpoint``) checkpoint folder, read one tensor at a time.
@@ -367,12 +243,11 @@ class ShardedSource:
     """
 
     def __init__(self, url: PathLike, storage_options: Optional[dict[str, Any]] = None) -> None:
-        from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
+        from trainer_core.plugins.io.sharded_reader import load_trainer_state, open_reader
 
         self.url = os.fspath(url)
-        io_ = DistributedCheckpointIO(storage_options)
-        self.trainer_state = io_.load_trainer_state(self.url)
-        self._reader = io_._reader(self.url)
+        self.trainer_state = load_trainer_state(self.url, storage_options)
+        self._reader = open_reader(self.url, storage_options)
         self.metadata = self._reader.read_metadata()
         self._reader.set_up_storage_reader(self.metadata, True)
 
@@ -445,9 +320,9 @@ class ShardedSource:
         except CheckpointError:
             raise
         except Exception as err:
-            from trainer_core.plugins.io.distributed_io import _shard_error
+            from trainer_core.plugins.io.sharded_reader import shard_error
 
-            raise _shard_error(self.url, err) from err
+            raise shard_error(self.url, err) from err
         return tensor
 
     def read_values(self, keys: list[str]) -> dict[str, Any]:
@@ -461,9 +336,9 @@ class ShardedSource:
         """Fill the flat ``template`` from the folder: DCP's own load steps, with the metadata read once."""
         from torch.distributed.checkpoint import CheckpointException
 
-        from trainer_core.plugins.io.distributed_io import _SafeLoadPlanner, _shard_error
+        from trainer_core.plugins.io.sharded_reader import SafeLoadPlanner, shard_error
 
-        planner = _SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+        planner = SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
         planner.display = self.url
         try:
             planner.set_up_planner(template, self.metadata, True)
@@ -473,14 +348,14 @@ class ShardedSource:
         except CheckpointError:
             raise
         except (Exception, CheckpointException) as err:
-            raise (self._reader.refusal or _shard_error(self.url, err)) from err
+            raise (self._reader.refusal or shard_error(self.url, err)) from err
 
     def checkpoint(self) -> dict[str, Any]:
         """The whole checkpoint, every tensor a :class:`LazyTensor` (see the class docstring)."""
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         from trainer_core.checkpoint.format import validate_checkpoint
-        from trainer_core.plugins.io.distributed_io import _restore_empty_containers
+        from trainer_core.plugins.io.sharded_reader import restore_empty_containers
 
         entries = list(self.entries())
         values = self.read_values(
@@ -492,7 +367,7 @@ class ShardedSource:
             _set_element(stored, path, value)
         checkpoint = dict(self.trainer_state)
         checkpoint.update(stored)
-        _restore_empty_containers(checkpoint)
+        restore_empty_containers(checkpoint)
         validate_checkpoint(checkpoint, self.url)
         return checkpoint
 
