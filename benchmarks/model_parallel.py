@@ -449,7 +449,7 @@ def _measure_checkpoints(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
         if profiler is not None and last:
             profiler.enable()
         start = time.perf_counter()
-        restore_checkpoint(trainer, str(path))
+        restore_checkpoint(trainer.checkpoint_parts(), str(path))
         loads.append(time.perf_counter() - start)
         if profiler is not None and last:
             profiler.disable()

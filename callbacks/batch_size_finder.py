@@ -94,7 +94,7 @@ class BatchSizeFinder(Callback):
 
     def scale_batch_size(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Run the search now; the weights, optimizer and loop counters come back as they were."""
-        from trainer_core.tuner import _scale_batch_size
+        from trainer_core.tuner.batch_size import _scale_batch_size
 
         self.optimal_batch_size = _scale_batch_size(
             trainer,

@@ -65,7 +65,7 @@ class LearningRateFinder(Callback):
 
     def lr_find(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Run the search now (from any hook of a fit run); the random generators come back as they were."""
-        from trainer_core.tuner import _lr_find
+        from trainer_core.tuner.lr_find import _lr_find
 
         self.optimal_lr = _lr_find(
             trainer,

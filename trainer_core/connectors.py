@@ -1,19 +1,23 @@
-"""Turning the Trainer's arguments into a plugin, callbacks and loggers, once, at construction."""
+"""Turning the Trainer's arguments into a plugin, callbacks and loggers, once, at construction.
+
+The checks of the run settings live in ``trainer_core.config`` (``TrainerConfig``); the questions the
+core asks about callbacks during a run in ``trainer_core.callback_queries``.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 import torch
-from lightning_utilities.core.overrides import is_overridden
 
+# tests/callbacks/test_lambda.py imports ``callback_overrides`` from here, where it used to live.
+from trainer_core.callback_queries import callback_overrides  # noqa: F401
 from trainer_core.callbacks.base import Callback
-from trainer_core.callbacks.early_stopping import EarlyStopping
 from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
 from trainer_core.callbacks.model_summary import ModelSummary, RichModelSummary, rich_available
-from trainer_core.callbacks.prediction_writer import BasePredictionWriter
 from trainer_core.callbacks.progress import ProgressBar, TQDMProgressBar
 from trainer_core.callbacks.timer import Timer
 from trainer_core.errors import MisconfigurationException
@@ -21,73 +25,22 @@ from trainer_core.loggers import CSVLogger, TensorBoardLogger, tensorboard_avail
 from trainer_core.plugins import TrainingTypePlugin, plugin_from_name
 from trainer_core.plugins.environments import ClusterEnvironment
 from trainer_core.plugins.io import CheckpointIO
-from trainer_core.utilities import as_list, rank_zero_only, rank_zero_warn
+from trainer_core.utilities import as_list, rank_zero_only
 
 _ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 _logger = logging.getLogger("trainer_core")
 
 
-def validate_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MisconfigurationException(f"Trainer({name}={value!r}): use a positive integer.")
-    return value
+def configure_torch_backends(deterministic: Any, benchmark: Optional[bool]) -> None:
+    """Apply ``deterministic`` and the resolved ``benchmark`` (``TrainerConfig``) to torch's global switches.
 
-
-def validate_non_negative_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise MisconfigurationException(f"Trainer({name}={value!r}): use 0 (off) or a positive integer.")
-    return value
-
-
-def validate_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise MisconfigurationException(f"Trainer({name}={value!r}): use True or False.")
-    return value
-
-
-def configure_cudnn_benchmark(benchmark: Optional[bool], deterministic: Any) -> Optional[bool]:
-    """Set ``torch.backends.cudnn.benchmark`` as Lightning does; returns the value set (``None``: left alone).
-
-    ``None`` keeps the session's setting, except that ``deterministic=True`` turns it off: cuDNN's
-    benchmark picks algorithms by timing them, so two runs may compute differently.
+    ``CUBLAS_WORKSPACE_CONFIG`` makes cuBLAS deterministic; it is only set when the user has not set it.
     """
-    if benchmark is not None and not isinstance(benchmark, bool):
-        raise MisconfigurationException(f"Trainer(benchmark={benchmark!r}): use True, False or None.")
     if deterministic:
-        if benchmark is None:
-            benchmark = False
-        elif benchmark:
-            rank_zero_warn(
-                "Trainer(deterministic=True, benchmark=True): torch ignores cudnn.deterministic while "
-                "cudnn.benchmark is on, so cuDNN convolutions may still differ between runs."
-            )
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=deterministic == "warn")
     if benchmark is not None:
         torch.backends.cudnn.benchmark = benchmark
-    return benchmark
-
-
-def has_timer(callbacks: Any) -> bool:
-    """Whether the user's callbacks include a ``Timer`` (which then bounds the run instead of ``max_epochs``)."""
-    return any(isinstance(cb, Timer) for cb in as_list(callbacks))
-
-
-def validate_limit(name: str, value: Optional[Union[int, float]]) -> Union[int, float]:
-    """``limit_*_batches`` and ``val_check_interval``: a fraction in [0, 1] or a number of batches."""
-    if value is None:
-        return 1.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise MisconfigurationException(
-            f"Trainer({name}={value!r}): use a fraction in [0.0, 1.0] or a number of batches."
-        )
-    if isinstance(value, float):
-        if not 0.0 <= value <= 1.0:
-            raise MisconfigurationException(
-                f"Trainer({name}={value!r}): a float is a fraction of the data in [0.0, 1.0]; pass an int for a number of batches."
-            )
-        return value
-    if value < 0:
-        raise MisconfigurationException(f"Trainer({name}={value!r}): a number of batches cannot be negative.")
-    return value
 
 
 def _resolve_device(accelerator: str, devices: Any) -> torch.device:
@@ -284,33 +237,3 @@ def configure_loggers(logger: Any, default_root_dir: str) -> list[Any]:
             return [TensorBoardLogger(save_dir=default_root_dir)]
         return [CSVLogger(save_dir=default_root_dir)]
     return as_list(logger)
-
-
-# The Trainer's questions about its callbacks, answered here so that the core imports the
-# callbacks package in this one module.
-def callback_overrides(callback: Callback, name: str) -> bool:
-    """Whether ``callback`` does something in hook ``name`` (the base class's hooks do nothing)."""
-    return is_overridden(name, callback, Callback)
-
-
-def checkpoint_callbacks(callbacks: list[Callback]) -> list[ModelCheckpoint]:
-    return [cb for cb in callbacks if isinstance(cb, ModelCheckpoint)]
-
-
-def monitoring_callbacks(callbacks: list[Callback]) -> list[Callback]:
-    """Callbacks that act on logged metrics (Lightning's rule: early stopping and checkpointing), which run
-    after the module's ``on_train_epoch_end`` so that they see what it logged."""
-    return [cb for cb in callbacks if isinstance(cb, (EarlyStopping, ModelCheckpoint))]
-
-
-def prediction_writer_intervals(callbacks: list[Callback]) -> tuple[bool, bool]:
-    """Whether any ``BasePredictionWriter`` writes per batch, and whether any writes per epoch."""
-    writers = [cb for cb in callbacks if isinstance(cb, BasePredictionWriter)]
-    return any(w.writes_on_batch for w in writers), any(w.writes_on_epoch for w in writers)
-
-
-def progress_bar_callback(callbacks: list[Callback]) -> Optional[ProgressBar]:
-    for cb in callbacks:
-        if isinstance(cb, ProgressBar):
-            return cb
-    return None

@@ -24,10 +24,11 @@ from trainer_core.checkpoint.format import (
     KEY_DATAMODULE_HPARAMS_NAME,
     KEY_LIGHTNING_VERSION,
 )
+from trainer_core.hparams import _load_hparams_file, hparams_argument, store_hyperparameters
 from trainer_core.utilities import AttributeDict, move_data_to_device
 
 if TYPE_CHECKING:
-    from trainer_core.trainer import Trainer
+    from trainer_core.run_state import RunState
 
 
 class LightningDataModule:
@@ -39,7 +40,7 @@ class LightningDataModule:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Takes and drops any arguments, as Lightning's does, so `super().__init__(*args, **kwargs)` works.
-        self.trainer: Optional[Trainer] = None
+        self.trainer: Optional[RunState] = None
         self._hparams = AttributeDict()
         self._hparams_initial = AttributeDict()
         self._hparams_name: Optional[str] = None
@@ -150,7 +151,6 @@ class LightningDataModule:
         """
         from trainer_core.checkpoint.format import KEY_DATAMODULE, validate_checkpoint
         from trainer_core.errors import CheckpointError, MisconfigurationException
-        from trainer_core.module import _load_hparams_file, hparams_argument
         from trainer_core.plugins.io import TorchCheckpointIO
 
         path = os.fspath(checkpoint_path)
@@ -204,8 +204,6 @@ class LightningDataModule:
         They are saved in checkpoints (for ``load_from_checkpoint``) and, with ``logger=True``, sent
         to the loggers together with the module's.
         """
-        from trainer_core.module import store_hyperparameters
-
         self._log_hyperparams = logger
         if frame is None:
             frame = inspect.currentframe().f_back  # type: ignore[union-attr]

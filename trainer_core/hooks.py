@@ -20,18 +20,16 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from lightning_utilities.core.overrides import is_overridden
 
-from trainer_core.connectors import callback_overrides
-from trainer_core.datamodule import LightningDataModule
+from trainer_core.callback_queries import callback_overrides
 from trainer_core.errors import MisconfigurationException
-from trainer_core.module import LightningModule
+from trainer_core.module import LightningModule, batch_transfer_hooks
 from trainer_core.profilers.base import Profiler, profiled
-from trainer_core.utilities import rank_zero_warn
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from trainer_core.callbacks import Callback
-    from trainer_core.trainer import Trainer
+    from trainer_core.run_state import HookRunState
 
 # Hooks that run per batch or per optimizer step, shared by callbacks and the module.
 BATCH_HOOKS = (
@@ -90,46 +88,32 @@ def check_dataloader_idx(step: Callable[..., Any], name: str, loaders: int) -> N
         )
 
 
-def step_caller(trainer: Trainer, name: str, call: Hook) -> Hook:
+def declared_step(module: Any, name: str) -> Hook:
+    """The step ``name`` as the module's class defines it, bound to the module.
+
+    FSDP2's ``register_fsdp_forward_method`` replaces the instance's attribute with a wrapper of the
+    bound method, whose signature drops one parameter too many: ``(batch, batch_nb)`` reads as
+    ``(batch_nb)``, and the index would be dropped from a step that takes it.
+    """
+    declared = getattr(type(module), name, None)
+    if name in vars(module) and callable(getattr(declared, "__get__", None)):
+        return declared.__get__(module, type(module))
+    return getattr(module, name)
+
+
+def step_caller(trainer: HookRunState, name: str, call: Hook) -> Hook:
     """``call`` (the plugin's or the module's step ``name``) as the loops call it: ``(batch, batch_idx, *dataloader_idx)``.
 
     When the module's step does not take ``batch_idx``, the index is dropped here, once per run; the
     plugin's step passes the rest on to the module unchanged.
     """
-    module = trainer.lightning_module
-    if takes_batch_idx(getattr(module, name)):
+    if takes_batch_idx(declared_step(trainer.lightning_module, name)):
         return call
 
     def without_batch_idx(batch: Any, batch_idx: int, *dataloader_idx: int) -> Any:
         return call(batch, *dataloader_idx)
 
     return without_batch_idx
-
-
-BATCH_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
-
-
-def batch_transfer_hooks(
-    module: LightningModule, datamodule: Optional[LightningDataModule], warn: bool = True
-) -> Optional[tuple[Hook, Hook, Hook]]:
-    """The three batch-transfer hooks of a run, or ``None`` when neither the module nor the data module overrides one.
-
-    Each is the data module's where it overrides it, else the module's (Lightning's rule, hook by
-    hook). Defining one in both is allowed; the data module's wins, with a warning.
-    """
-    chosen: list[Hook] = []
-    overridden = False
-    for name in BATCH_TRANSFER_HOOKS:
-        in_module = is_overridden(name, module, LightningModule)
-        in_data = datamodule is not None and is_overridden(name, datamodule, LightningDataModule)
-        if in_module and in_data and warn:
-            rank_zero_warn(
-                f"`{name}` is defined by both {type(module).__name__} and {type(datamodule).__name__}; the data "
-                "module's is used. Delete one of them to silence this."
-            )
-        overridden = overridden or in_module or in_data
-        chosen.append(getattr(datamodule if in_data else module, name))
-    return (chosen[0], chosen[1], chosen[2]) if overridden else None
 
 
 def _action_name(hook: Hook) -> str:
@@ -144,7 +128,7 @@ class BatchHooks:
 
     __slots__ = (*BATCH_HOOKS, "batch_transfer", "optimizer_step", "optimizer_zero_grad")
 
-    def __init__(self, trainer: Trainer, module: LightningModule, callbacks: list[Callback]) -> None:
+    def __init__(self, trainer: HookRunState, module: LightningModule, callbacks: list[Callback]) -> None:
         # With a profiler on, each callable is wrapped once here under Lightning's action name.
         profiler = trainer.hook_runner.profiler
         for name in BATCH_HOOKS:
@@ -178,7 +162,7 @@ class HookRunner:
 
     __slots__ = ("_trainer", "after_closure", "batch", "current_fx", "profiler")
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: HookRunState) -> None:
         self._trainer = trainer
         self.current_fx: Optional[str] = None
         # The run's profiler when one records (``Trainer(profiler=...)``), else ``None``: set per run.
@@ -222,6 +206,22 @@ class HookRunner:
             return getattr(cb, name)(trainer, trainer.lightning_module, *args)
         with self.profiler.profile(f"[Callback]{cb.state_key}.{name}"):
             return getattr(cb, name)(trainer, trainer.lightning_module, *args)
+
+    def call_callbacks_on_checkpoint(self, name: str, checkpoint: dict[str, Any]) -> None:
+        """Every callback's ``on_save_checkpoint`` / ``on_load_checkpoint`` (``name``) with the Trainer, as Lightning passes it.
+
+        For the checkpoint code, which never holds the Trainer; named meanwhile, not profiled.
+        """
+        trainer = self._trainer
+        module = trainer.lightning_module
+        with self.running(name):
+            for cb in trainer.callbacks:
+                getattr(cb, name)(trainer, module, checkpoint)
+
+    def setup_callback(self, cb: Callback, stage: str) -> None:
+        """One callback's ``setup`` outside the run's setup (``ckpt_path="last"`` needs its folder early); not profiled."""
+        trainer = self._trainer
+        cb.setup(trainer, trainer.lightning_module, stage)
 
     def call(self, name: str, *args: Any) -> None:
         """A non-batch hook on every callback, then on the module (Lightning's order)."""

@@ -14,7 +14,7 @@ from trainer_core.results import ResultCollection
 from trainer_core.utilities import to_float
 
 if TYPE_CHECKING:
-    from trainer_core.trainer import Trainer
+    from trainer_core.run_state import MetricsRunState
 
 
 class Metrics:
@@ -22,7 +22,7 @@ class Metrics:
 
     __slots__ = ("_trainer", "callback", "eval_step", "logged", "progress_bar", "results", "train_results")
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: MetricsRunState) -> None:
         self._trainer = trainer
         self.callback: dict[str, Any] = {}
         self.logged: dict[str, Any] = {}

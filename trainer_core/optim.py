@@ -14,6 +14,10 @@ from torch.optim import Optimizer
 
 from trainer_core.errors import MisconfigurationException
 
+# ``optimizer_defaults`` lives with the per-parameter copies it builds; plugins import it from here too.
+from trainer_core.optimizer_in_backward import OptimizerInBackward
+from trainer_core.optimizer_in_backward import optimizer_defaults as optimizer_defaults
+
 if TYPE_CHECKING:
     from trainer_core.plugins import TrainingTypePlugin
 
@@ -175,23 +179,6 @@ def _describe(obj: Any) -> str:
     return f"a {type(obj).__name__}"
 
 
-def optimizer_defaults(optimizer: Optimizer) -> dict[str, Any]:
-    """The hyper-parameters to build another ``type(optimizer)`` with (sharded wrappers, per-parameter copies).
-
-    ``optimizer.defaults`` can hold keys its own ``__init__`` does not take (torch's ``AdamW``
-    stores ``decoupled_weight_decay``, set by its parent class), so only accepted names pass.
-    """
-    import inspect
-
-    try:
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-    except (TypeError, ValueError):
-        return dict(optimizer.defaults)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-        return dict(optimizer.defaults)
-    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
-
-
 def rebase_learning_rates(scheduler: Any) -> None:
     """After loading another part's scheduler state: base and last rates from this scheduler's own optimizer."""
     for inner in getattr(scheduler, "_schedulers", None) or ():
@@ -210,8 +197,6 @@ def get_lr(optimizer: Any) -> float:
     ``OptimizerInBackward`` of ``Trainer(optimizer_in_backward=True)`` (``trainer.plugin.
     in_backward_optimizer``), whose per-parameter optimizers are read: they are what stepped.
     """
-    from trainer_core.optimizer_in_backward import OptimizerInBackward
-
     if isinstance(optimizer, OptimizerInBackward):
         groups = [g for opt in optimizer.per_parameter_optimizers for g in opt.param_groups]
     elif isinstance(optimizer, (Optimizer, LightningOptimizer)):

@@ -22,6 +22,7 @@ before the gradient is all-reduced, so DDP-based plugins refuse it.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -29,9 +30,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from trainer_core.errors import MisconfigurationException
-from trainer_core.optim import optimizer_defaults
 
-__all__ = ["OptimizerInBackward"]
+__all__ = ["OptimizerInBackward", "optimizer_defaults"]
 
 
 class OptimizerInBackward:
@@ -108,3 +108,18 @@ def _check_optimizer(optimizer: Optimizer) -> None:
             f"Trainer(optimizer_in_backward=True) cannot step {name}: a sharded optimizer steps its "
             "shard of every parameter together. Return a plain torch optimizer from configure_optimizers."
         )
+
+
+def optimizer_defaults(optimizer: Optimizer) -> dict[str, Any]:
+    """The hyper-parameters to build another ``type(optimizer)`` with (sharded wrappers, per-parameter copies).
+
+    ``optimizer.defaults`` can hold keys its own ``__init__`` does not take (torch's ``AdamW``
+    stores ``decoupled_weight_decay``, set by its parent class), so only accepted names pass.
+    """
+    try:
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+    except (TypeError, ValueError):
+        return dict(optimizer.defaults)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}

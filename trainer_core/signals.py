@@ -58,7 +58,7 @@ from trainer_core import paths
 
 if TYPE_CHECKING:
     from trainer_core.plugins.environments import SLURMEnvironment
-    from trainer_core.trainer import Trainer
+    from trainer_core.run_state import RunState
 
 _logger = logging.getLogger("trainer_core")
 
@@ -165,7 +165,7 @@ class PreemptionHandler:
         if self.received is None or (self.requeues and signum == self.requeue_signal):
             self.received = signum
 
-    def agreed(self, trainer: Trainer) -> Optional[int]:
+    def agreed(self, trainer: RunState) -> Optional[int]:
         """The signal every rank acts on now, or ``None``; with several ranks, every rank must call this every step."""
         if self._world_size is None:
             self._world_size = trainer.world_size
@@ -191,7 +191,7 @@ class PreemptionHandler:
         signum = int(code)
         return (signum - _REQUEUE_CODE if signum >= _REQUEUE_CODE else signum) or None
 
-    def save_and_stop(self, trainer: Trainer, signum: int) -> None:
+    def save_and_stop(self, trainer: RunState, signum: int) -> None:
         """Write the pre-emption checkpoint (every rank takes part), then unwind ``fit``."""
         path = checkpoint_path(trainer)
         # Every rank has written its part once this returns (it ends with a barrier).
@@ -214,7 +214,9 @@ class PreemptionHandler:
 
 
 @contextlib.contextmanager
-def handle_preemption(stage: str, trainer: Optional[Trainer] = None) -> Iterator[Optional[PreemptionHandler]]:
+def handle_preemption(
+    stage: str, trainer: Optional[RunState] = None
+) -> Iterator[Optional[PreemptionHandler]]:
     """During ``fit`` (in the main thread), record pre-emption signals; yields the record (or ``None``).
 
     With ``trainer``, a SLURM job's requeue signal is handled too (:func:`slurm_environment`).
@@ -235,7 +237,7 @@ def handle_preemption(stage: str, trainer: Optional[Trainer] = None) -> Iterator
             handler.restore()
 
 
-def slurm_environment(trainer: Trainer) -> Optional[SLURMEnvironment]:
+def slurm_environment(trainer: RunState) -> Optional[SLURMEnvironment]:
     """The SLURM job's environment whose requeue settings apply to this run, or ``None``.
 
     The plugin's own (passed in ``Trainer(plugins=[SLURMEnvironment(...)])``, or detected under ``srun``);
@@ -255,7 +257,7 @@ def slurm_environment(trainer: Trainer) -> Optional[SLURMEnvironment]:
     return None
 
 
-def checkpoint_path(trainer: Trainer) -> str:
+def checkpoint_path(trainer: RunState) -> str:
     """Where the pre-emption checkpoint goes: the checkpoint callback's folder, which ``"last"`` searches."""
     callback = trainer.checkpoint_callback
     folder = getattr(callback, "dirpath", None) if callback is not None else None
@@ -264,9 +266,9 @@ def checkpoint_path(trainer: Trainer) -> str:
     return paths.join(folder, PREEMPTED_CHECKPOINT)
 
 
-def finish_preempted(trainer: Trainer, exc: Preempted) -> None:
+def finish_preempted(trainer: RunState, exc: Preempted) -> None:
     """End the run as cleanly as a normal end (the Trainer tears down next): the checkpoint is complete on every rank."""
-    from trainer_core.connectors import callback_overrides
+    from trainer_core.callback_queries import callback_overrides
 
     trainer.interrupted = True
     trainer.preempted = True
@@ -276,19 +278,18 @@ def finish_preempted(trainer: Trainer, exc: Preempted) -> None:
             cb.on_exception(trainer, module, exc)
     for lg in trainer.loggers:
         lg.finalize("preempted")
-    # Requeued by :func:`exit_preempted` when ``fit`` ends, after the teardown.
-    trainer._pending_requeue = exc if exc.requeue is not None else None
 
 
-def exit_preempted(trainer: Trainer) -> NoReturn:
+def exit_preempted(pending: Optional[Preempted], is_global_zero: bool) -> NoReturn:
     """End the pre-empted job with :data:`EXIT_CODE`; first, on global rank 0, requeue it when its signal asked.
 
-    Called by ``fit`` after the teardown: ``scontrol requeue`` makes SLURM stop the running job, so every
-    rank must have the checkpoint (it does, since the save ends with a barrier) and the run must be torn
-    down (loggers flushed, process group closed) before it.
+    ``pending`` is the :class:`Preempted` that stopped the run when it asks for a requeue (the Trainer
+    keeps it from :func:`finish_preempted` until then). Called by ``fit`` after the teardown:
+    ``scontrol requeue`` makes SLURM stop the running job, so every rank must have the checkpoint (it
+    does, since the save ends with a barrier) and the run must be torn down (loggers flushed, process
+    group closed) before it.
     """
-    pending: Optional[Preempted] = trainer.__dict__.pop("_pending_requeue", None)
-    if pending is not None and pending.requeue is not None and trainer.is_global_zero:
+    if pending is not None and pending.requeue is not None and is_global_zero:
         requeue_job(pending.requeue, pending.checkpoint_path)
     raise SystemExit(EXIT_CODE)
 

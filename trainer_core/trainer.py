@@ -15,26 +15,26 @@ from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-import torch
 from lightning_utilities.core.overrides import is_overridden
 from torch import nn
 from torch.optim import Optimizer
 
 from trainer_core import signals
-from trainer_core.connectors import (
+from trainer_core.callback_queries import (
     callback_overrides,
     checkpoint_callbacks,
-    configure_callbacks,
-    configure_cudnn_benchmark,
-    configure_loggers,
     has_timer,
-    merge_module_callbacks,
     progress_bar_callback,
+)
+from trainer_core.checkpoint.restore import restore_module_and_callbacks
+from trainer_core.checkpoint.save import dump_checkpoint
+from trainer_core.config import TrainerConfig
+from trainer_core.connectors import (
+    configure_callbacks,
+    configure_loggers,
+    configure_torch_backends,
+    merge_module_callbacks,
     select_plugin,
-    validate_bool,
-    validate_limit,
-    validate_non_negative_int,
-    validate_positive_int,
 )
 from trainer_core.datamodule import LightningDataModule
 from trainer_core.errors import MisconfigurationException, _TunerExitException
@@ -45,6 +45,7 @@ from trainer_core.module import LightningModule
 from trainer_core.optim import LightningOptimizer, LRSchedulerConfig
 from trainer_core.precision import Precision
 from trainer_core.profilers import Profiler, is_active, resolve_profiler
+from trainer_core.run_state import CheckpointParts
 from trainer_core.utilities import launcher_restart_count, rank_zero_only, rank_zero_warn
 from trainer_core.utilities.compile import is_compiled, is_compiled_lightning_module, unwrap_compiled_module
 
@@ -58,6 +59,10 @@ STAGES = ("fit", "validate", "test", "predict")
 
 class Trainer:
     """Runs a ``LightningModule``'s loops through a training-type plugin."""
+
+    #: A pre-empted SLURM job's requeue request (``trainer_core.signals``), acted on once ``fit`` has torn
+    #: the run down; ``None``: nothing to requeue.
+    _requeue_on_exit: Optional[signals.Preempted] = None
 
     def __init__(
         self,
@@ -110,95 +115,45 @@ class Trainer:
         self.plugin.precision = Precision(precision, self.plugin.root_device.type)
         self.plugin.precision.check_device(self.plugin.root_device)
 
-        self.fast_dev_run: Union[bool, int] = fast_dev_run
-        n_dev = 0
-        if fast_dev_run:
-            if isinstance(fast_dev_run, bool):
-                n_dev = 1
-            elif isinstance(fast_dev_run, int) and fast_dev_run > 0:
-                n_dev = fast_dev_run
-            else:
-                raise MisconfigurationException(
-                    f"Trainer(fast_dev_run={fast_dev_run!r}): use True or a positive number of batches."
-                )
-            limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n_dev
-            max_steps, max_epochs, num_sanity_val_steps, val_check_interval = n_dev, 1, 0, 1.0
-            check_val_every_n_epoch = 1
-            logger = False
-        self.overfit_batches = validate_limit(
-            "overfit_batches", 0.0 if overfit_batches is None else overfit_batches
+        config = TrainerConfig(
+            fast_dev_run=fast_dev_run,
+            max_epochs=max_epochs,
+            min_epochs=min_epochs,
+            max_steps=max_steps,
+            min_steps=min_steps,
+            limit_train_batches=limit_train_batches,
+            limit_val_batches=limit_val_batches,
+            limit_test_batches=limit_test_batches,
+            limit_predict_batches=limit_predict_batches,
+            overfit_batches=overfit_batches,
+            val_check_interval=val_check_interval,
+            check_val_every_n_epoch=check_val_every_n_epoch,
+            num_sanity_val_steps=num_sanity_val_steps,
+            log_every_n_steps=log_every_n_steps,
+            accumulate_grad_batches=accumulate_grad_batches,
+            gradient_clip_val=gradient_clip_val,
+            gradient_clip_algorithm=gradient_clip_algorithm,
+            deterministic=deterministic,
+            benchmark=benchmark,
+            inference_mode=inference_mode,
+            use_distributed_sampler=use_distributed_sampler,
+            detect_anomaly=detect_anomaly,
+            sync_batchnorm=sync_batchnorm,
+            reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs,
+            enable_model_summary=enable_model_summary,
+            optimizer_in_backward=optimizer_in_backward,
+            timed=max_time is not None or has_timer(callbacks),
         )
-        if self.overfit_batches > 0:
-            # Lightning's rule: the same first batches of the train and val loaders, whatever their limits say.
-            limit_train_batches = limit_val_batches = self.overfit_batches
-
-        if max_epochs is None:
-            # A time limit (``max_time`` or a Timer) ends the run: no default number of epochs then (Lightning's rule).
-            timed = max_time is not None or has_timer(callbacks)
-            max_epochs = 1000 if max_steps == -1 and not timed else -1
-        self.max_epochs: int = max_epochs
-        self.min_epochs: Optional[int] = min_epochs
-        self.max_steps: int = max_steps
-        self.min_steps: Optional[int] = min_steps
-        if not isinstance(max_steps, int) or max_steps < -1:
-            raise MisconfigurationException(
-                f"Trainer(max_steps={max_steps!r}): use -1 (no limit) or a non-negative integer."
-            )
-        self.limit_train_batches = validate_limit("limit_train_batches", limit_train_batches)
-        self.limit_val_batches = validate_limit("limit_val_batches", limit_val_batches)
-        self.limit_test_batches = validate_limit("limit_test_batches", limit_test_batches)
-        self.limit_predict_batches = validate_limit("limit_predict_batches", limit_predict_batches)
-        self.val_check_interval = validate_limit("val_check_interval", val_check_interval)
-        if check_val_every_n_epoch is not None:
-            validate_positive_int("check_val_every_n_epoch", check_val_every_n_epoch)
-        self.check_val_every_n_epoch = check_val_every_n_epoch
-        self.num_sanity_val_steps = 2 if num_sanity_val_steps is None else num_sanity_val_steps
-        if not isinstance(self.num_sanity_val_steps, int) or self.num_sanity_val_steps < -1:
-            raise MisconfigurationException(
-                f"Trainer(num_sanity_val_steps={num_sanity_val_steps!r}): use -1 (all), 0 (none) or a number of batches."
-            )
-        self.log_every_n_steps = validate_positive_int(
-            "log_every_n_steps", 50 if log_every_n_steps is None else log_every_n_steps
-        )
-        self.accumulate_grad_batches = validate_positive_int(
-            "accumulate_grad_batches", accumulate_grad_batches
-        )
-        if gradient_clip_algorithm not in (None, "norm", "value"):
-            raise MisconfigurationException(
-                f"Trainer(gradient_clip_algorithm={gradient_clip_algorithm!r}): use 'norm' or 'value'."
-            )
-        if gradient_clip_val is not None and (
-            not isinstance(gradient_clip_val, (int, float)) or gradient_clip_val < 0
-        ):
-            raise MisconfigurationException(
-                f"Trainer(gradient_clip_val={gradient_clip_val!r}): use a non-negative number."
-            )
-        self.gradient_clip_val = gradient_clip_val
-        self.gradient_clip_algorithm = gradient_clip_algorithm
-        self.optimizer_in_backward = bool(optimizer_in_backward)
-        if optimizer_in_backward:
+        # Plain attributes under Lightning's names (``trainer.max_steps``...), not properties: the loops
+        # read several of them on every step, and the tuner and callbacks change some during a run.
+        vars(self).update(config.attributes())
+        if self.optimizer_in_backward:
             self._check_optimizer_in_backward()
-        self.inference_mode = inference_mode
-        self.use_distributed_sampler = use_distributed_sampler
-        self.deterministic = deterministic
-        if deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True, warn_only=deterministic == "warn")
-        self.benchmark = configure_cudnn_benchmark(benchmark, deterministic)
-        self.detect_anomaly = validate_bool("detect_anomaly", detect_anomaly)
-        if detect_anomaly:
-            _logger.info(
-                "Trainer(detect_anomaly=True) slows training down a lot: use it to debug a model only."
-            )
-        self.sync_batchnorm = validate_bool("sync_batchnorm", sync_batchnorm)
-        self.reload_dataloaders_every_n_epochs = validate_non_negative_int(
-            "reload_dataloaders_every_n_epochs", reload_dataloaders_every_n_epochs
-        )
+        configure_torch_backends(self.deterministic, self.benchmark)
 
         self._default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
-        self.enable_model_summary = True if enable_model_summary is None else enable_model_summary
-
-        self.loggers = configure_loggers(logger, self._default_root_dir)
+        # ``fast_dev_run`` runs without loggers (Lightning's rule).
+        self.loggers = configure_loggers(False if fast_dev_run else logger, self._default_root_dir)
         self.callbacks: list[Callback] = configure_callbacks(
             callbacks,
             enable_checkpointing=True if enable_checkpointing is None else enable_checkpointing,
@@ -268,7 +223,8 @@ class Trainer:
         if self.preempted:
             # Every rank saved the same step and tore down cleanly: end the job, successfully (a SLURM job
             # whose requeue signal stopped it is requeued first).
-            signals.exit_preempted(self)
+            requeue, self._requeue_on_exit = self._requeue_on_exit, None
+            signals.exit_preempted(requeue, self.is_global_zero)
 
     def validate(
         self,
@@ -394,6 +350,7 @@ class Trainer:
             return None
         except signals.Preempted as exc:
             signals.finish_preempted(self, exc)
+            self._requeue_on_exit = exc if exc.requeue is not None else None
             self._teardown(stage, finalize_loggers=False)  # finalised as pre-empted already
             return None
         except BaseException as exc:
@@ -451,9 +408,9 @@ class Trainer:
             fit_loop.pending_restore = None
             if not self.plugin.restore_checkpoint_after_setup:
                 # Lightning's order: the module's and the callbacks' checkpoint hooks before configure_optimizers.
-                from trainer_core.checkpoint.restore import restore_module_and_callbacks
-
-                fit_loop.pending_restore = restore_module_and_callbacks(self, fit_loop.ckpt_path)
+                fit_loop.pending_restore = restore_module_and_callbacks(
+                    self.checkpoint_parts(), fit_loop.ckpt_path
+                )
         # Each run starts with no metrics: after `test`, `callback_metrics` holds what the test logged (Lightning's rule).
         self.metrics.clear()
         self.plugin.setup(self)
@@ -781,11 +738,36 @@ class Trainer:
             raise MisconfigurationException(
                 f"trainer.save_checkpoint({os.fspath(filepath)!r}): {unavailable}."
             )
-        from trainer_core.checkpoint.save import dump_checkpoint
-
-        checkpoint = dump_checkpoint(self, weights_only)
+        checkpoint = dump_checkpoint(self.checkpoint_parts(), weights_only)
         self.plugin.save_checkpoint(checkpoint, os.fspath(filepath), storage_options=storage_options)
         self.plugin.barrier("save_checkpoint")
+
+    def checkpoint_parts(self) -> CheckpointParts:
+        """The run's stateful parts as the checkpoint code saves and restores them (it never sees the Trainer).
+
+        Assembled when a checkpoint is written or read, so each part is the current one. Callbacks'
+        ``on_save_checkpoint`` / ``on_load_checkpoint`` still receive the Trainer, through the hook runner.
+        """
+        return CheckpointParts(
+            module=self.lightning_module,
+            plugin=self.plugin,
+            progress=self.progress,
+            hooks=self.hook_runner,
+            callbacks=self.callbacks,
+            datamodule=self.datamodule,
+            train_dataloader=self.train_dataloader,
+            accumulate_grad_batches=self.accumulate_grad_batches,
+            callback_metrics=self._read_callback_metrics,
+            checkpoint_callbacks=self.checkpoint_callbacks,
+            resume_reason=self.resume_reason,
+            restored_from=self._record_ckpt_path,
+        )
+
+    def _read_callback_metrics(self) -> dict[str, Any]:
+        return self.callback_metrics
+
+    def _record_ckpt_path(self, path: str) -> None:
+        self.ckpt_path = path
 
     @rank_zero_only
     def print(self, *args: Any, **kwargs: Any) -> None:

@@ -737,3 +737,27 @@ def test_exception_calls_on_exception():
     tail = called[called.index("training_step") :]
     assert tail[:2] == ["training_step", "Callback.on_exception"]
     assert isinstance(callback.args["on_exception"][0][0], ValueError)
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_index_under_another_name_reaches_the_step_under_fsdp() -> None:
+    """FSDP2 wraps ``training_step`` so that its signature reads one parameter short; the index still arrives."""
+    from trainer_core.plugins import FSDPPlugin
+
+    seen: list[int] = []
+
+    class NamedIndex(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(32, 2)
+
+        def training_step(self, batch: Any, batch_nb: int) -> torch.Tensor:
+            seen.append(batch_nb)
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = quiet_trainer(max_steps=3, plugins=FSDPPlugin())
+    trainer.fit(NamedIndex(), train_dataloaders=random_loader(8, 32))
+    assert seen == [0, 1, 2]

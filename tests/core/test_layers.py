@@ -3,9 +3,13 @@
 * No private member of the Trainer is used outside ``trainer_core/trainer.py``: loops, checkpoint
   code, plugins and callbacks go through ``trainer.progress``, ``trainer.hook_runner``,
   ``trainer.metrics`` and the Trainer's public attributes.
-* The core imports ``trainer_core.plugins`` and ``trainer_core.callbacks`` at import time in one
-  module only (``trainer_core/connectors.py``, which builds them); plugins never import callbacks;
+* The core imports ``trainer_core.plugins`` and ``trainer_core.callbacks`` at import time only in
+  ``trainer_core/connectors.py`` (which builds them), ``trainer_core/callback_queries.py`` (which asks
+  about callbacks by class) and ``trainer_core/cli.py``; plugins never import callbacks;
   callbacks never import the checkpoint IO's modules (they call ``CheckpointIO``'s public methods).
+* No import circle in the core, every import counted (module level, in functions, under
+  ``TYPE_CHECKING``); the checkpoint code reaches nothing of the Trainer, its builders or its loops,
+  and takes no Trainer argument: it works on the parts the Trainer hands it.
 """
 
 from __future__ import annotations
@@ -95,9 +99,10 @@ def _all_imports(path: Path) -> list[tuple[int, str]]:
 
 
 # Where the core may import plugins and callbacks at import time: the connector, which builds them from the
-# Trainer's arguments, and LightningCLI, which builds a whole run (Trainer, module, callbacks) from a config
-# and whose SaveConfigCallback is itself a callback.
-FRONT_ENDS = {CORE / "connectors.py", CORE / "cli.py"}
+# Trainer's arguments; the callback queries, which answer the loops' and hooks' questions about callbacks
+# (which act on metrics, which is the progress bar) by class; and LightningCLI, which builds a whole run
+# (Trainer, module, callbacks) from a config and whose SaveConfigCallback is itself a callback.
+FRONT_ENDS = {CORE / "connectors.py", CORE / "callback_queries.py", CORE / "cli.py"}
 
 
 def test_the_core_imports_plugins_and_callbacks_only_through_the_connector() -> None:
@@ -129,3 +134,163 @@ def test_callbacks_use_only_the_public_checkpoint_io() -> None:
         if module.startswith("trainer_core.plugins.io.")
     ]
     assert not offending, "\n".join(offending)
+
+
+# The import graph of the core, every import counted: module level, inside functions and under
+# ``if TYPE_CHECKING:`` (a type-only import still ties two modules together for a reader and a refactor).
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _core_modules() -> dict[str, Path]:
+    return {_module_name(path): path for path in _sources(CORE)}
+
+
+def _package_exports(modules: dict[str, Path]) -> dict[str, dict[str, str]]:
+    """For each package, the module each name it re-exports comes from (so ``from pkg import X`` is an edge to X's module)."""
+    exports: dict[str, dict[str, str]] = {}
+    for name, path in modules.items():
+        if path.name != "__init__.py":
+            continue
+        table: dict[str, str] = {}
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    table[alias.asname or alias.name] = node.module if node.module in modules else name
+        exports[name] = table
+    return exports
+
+
+def _imported_modules(path: Path, modules: dict[str, Path], exports: dict[str, dict[str, str]]) -> set[str]:
+    """The core modules ``path`` imports, each name resolved to the module that defines it."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                if submodule in modules:
+                    found.add(submodule)
+                elif alias.name in exports.get(node.module, {}):
+                    found.add(exports[node.module][alias.name])
+                elif node.module in modules:
+                    found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+    found.discard(_module_name(path))
+    return found
+
+
+def _core_import_graph() -> dict[str, set[str]]:
+    modules = _core_modules()
+    exports = _package_exports(modules)
+    return {name: _imported_modules(path, modules, exports) for name, path in modules.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, targets = work[-1]
+            for target in targets:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph.get(target, ())))))
+                    break
+                if target in on_stack:
+                    low[node] = min(low[node], index[target])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        circles.append(sorted(component))
+    return circles
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _circles(graph) == [["a", "b", "c"]]
+
+
+def test_no_import_circle_in_the_core() -> None:
+    graph = _core_import_graph()
+    assert graph.get("trainer_core.trainer")  # the graph sees the core
+    circles = _circles(graph)
+    assert not circles, "import circles in trainer_core/ (every import counted):\n" + "\n".join(
+        " <-> ".join(circle) for circle in circles
+    )
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+# What the checkpoint code may not reach, directly or through another module: the Trainer, the code
+# that builds it, and the loops it runs (``loops.progress``, the loop state it saves, is a leaf it may use).
+TRAINER_SIDE = (
+    "trainer_core.trainer",
+    "trainer_core.connectors",
+    "trainer_core.tuner",
+    "trainer_core.loops.fit",
+    "trainer_core.loops.evaluation",
+    "trainer_core.loops.training_step",
+    "trainer_core.loops.data",
+    "trainer_core.loops.schedulers",
+)
+
+
+def test_checkpoint_code_imports_nothing_of_the_trainer() -> None:
+    graph = _core_import_graph()
+    checkpoint_modules = [name for name in graph if name.startswith("trainer_core.checkpoint")]
+    assert "trainer_core.checkpoint.save" in checkpoint_modules
+    offending = {
+        name: sorted(m for m in _reachable(graph, name) if m.startswith(TRAINER_SIDE))
+        for name in checkpoint_modules
+    }
+    offending = {name: reached for name, reached in offending.items() if reached}
+    assert not offending, f"checkpoint modules that reach the Trainer: {offending}"
+
+
+def test_checkpoint_code_takes_no_trainer_argument() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{node.lineno}: {node.name}({arg.arg})"
+        for path in _sources(CORE / "checkpoint")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for arg in node.args.args + node.args.kwonlyargs + node.args.posonlyargs
+        if arg.arg in TRAINER_NAMES
+    ]
+    assert not found, "checkpoint functions that take a Trainer:\n" + "\n".join(found)

@@ -99,7 +99,7 @@ from trainer_core.checkpoint.optimizer import optimizer_state_to_names, paramete
 from trainer_core.checkpoint.rng import collect_rng_states
 from trainer_core.errors import CheckpointError
 from trainer_core.utilities import listing, rank_zero_warn
-from trainer_core.utilities.compile import plain_name, plain_state_dict
+from trainer_core.utilities.compiled_names import plain_name, plain_state_dict
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer

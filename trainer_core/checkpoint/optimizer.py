@@ -25,7 +25,7 @@ from torch import nn
 
 from trainer_core.errors import CheckpointError
 from trainer_core.utilities import listing
-from trainer_core.utilities.compile import plain_named_parameters
+from trainer_core.utilities.compiled_names import plain_named_parameters
 
 ParamNames = Union[Mapping[torch.Tensor, str], Sequence[str]]
 

@@ -2,7 +2,8 @@
 
 ``restore_checkpoint`` checks *everything* (format, parameter names and shapes, optimizer names,
 counts) before it changes anything, so a bad file leaves the model, the optimizers and the trainer
-as they were.
+as they were. It works on the run's stateful parts (:class:`~trainer_core.run_state.CheckpointParts`,
+which the Trainer hands over), never on the Trainer.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import copy
 import inspect
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union
 
 import torch
+from torch import nn
 
 from trainer_core.checkpoint.format import (
     KEY_CALLBACKS,
@@ -52,10 +54,11 @@ from trainer_core.checkpoint.optimizer import (
 )
 from trainer_core.checkpoint.save import data_replicas, loader_batch_size
 from trainer_core.errors import CheckpointError, MisconfigurationException
+from trainer_core.hparams import hparams_argument
 from trainer_core.optim import rebase_learning_rates
 from trainer_core.precision import Precision, describe_change
 from trainer_core.utilities import listing, rank_zero_info, rank_zero_warn
-from trainer_core.utilities.compile import (
+from trainer_core.utilities.compiled_names import (
     module_state_dict,
     plain_named_parameters,
     plain_optimizer_state,
@@ -63,15 +66,18 @@ from trainer_core.utilities.compile import (
 )
 
 if TYPE_CHECKING:
-    from trainer_core.module import LightningModule
-    from trainer_core.trainer import Trainer
+    from trainer_core.loops.progress import Progress
+    from trainer_core.run_state import CheckpointParts, CheckpointPlugin
+
+# A ``LightningModule`` class (trainer_core.module), built from a checkpoint's hyper-parameters.
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
-def resolve_ckpt_path(trainer: Trainer, ckpt_path: Union[str, os.PathLike]) -> Optional[str]:
+def resolve_ckpt_path(parts: CheckpointParts, ckpt_path: Union[str, os.PathLike]) -> Optional[str]:
     """A path as given; ``"best"``: the best checkpoint of this run; ``"last"``: the newest complete one."""
     path = os.fspath(ckpt_path)
     if path == "best":
-        callback = trainer.checkpoint_callback
+        callback = parts.checkpoint_callbacks[0] if parts.checkpoint_callbacks else None
         best = getattr(callback, "best_model_path", "") if callback is not None else ""
         if not best:
             raise CheckpointError(
@@ -80,18 +86,19 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: Union[str, os.PathLike]) -> O
         return best
     if path != "last":
         return path
-    io = trainer.plugin.checkpoint_io
+    plugin = parts.plugin
+    io = plugin.checkpoint_io
     folders: list[list[str]] = []  # every complete checkpoint this rank sees, per folder, oldest first
-    for cb in trainer.checkpoint_callbacks:
+    for cb in parts.checkpoint_callbacks:
         if cb.dirpath is None:
-            cb.setup(trainer, trainer.lightning_module, "fit")
+            parts.hooks.setup_callback(cb, "fit")
         folders += [io.list_complete(folder) for folder in cb.resume_search_dirs()]
-    if trainer.world_size > 1:
-        common = _agreed_checkpoints(trainer, [found for listed in folders for found in listed])
+    if plugin.world_size > 1:
+        common = _agreed_checkpoints(parts, [found for listed in folders for found in listed])
         folders = [[found for found in listed if found in common] for listed in folders]
     # The newest of each folder, then the newest of those.
     candidates = [listed[-1] for listed in folders if listed]
-    reason = trainer.resume_reason
+    reason = parts.resume_reason
     if not candidates:
         rank_zero_warn(
             f"{reason + ': ' if reason else ''}"
@@ -104,14 +111,14 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: Union[str, os.PathLike]) -> O
     return newest
 
 
-def _agreed_checkpoints(trainer: Trainer, listed: list[str]) -> set[str]:
+def _agreed_checkpoints(parts: CheckpointParts, listed: list[str]) -> set[str]:
     """The checkpoints every rank sees as complete, so that every rank resumes the same step.
 
     Nodes list the folder at slightly different moments (a save may finish, or an old checkpoint be
     removed, in between), and on a folder that is not shared they may see different files: each rank
     picking its own newest could load different steps.
     """
-    seen = trainer.plugin.all_gather_object(listed)
+    seen = parts.plugin.all_gather_object(listed)
     common = set(seen[0]).intersection(*seen[1:])
     if not common and any(seen):
         newest = "; ".join(
@@ -126,12 +133,12 @@ def _agreed_checkpoints(trainer: Trainer, listed: list[str]) -> set[str]:
 
 
 def restore_checkpoint(
-    trainer: Trainer, ckpt_path: Union[str, os.PathLike], weights_only: bool = False
+    parts: CheckpointParts, ckpt_path: Union[str, os.PathLike], weights_only: bool = False
 ) -> None:
     """Load ``ckpt_path`` into a run already set up (its optimizers exist): both steps below at once."""
-    pending = restore_module_and_callbacks(trainer, ckpt_path, weights_only, optimizers_ready=True)
+    pending = restore_module_and_callbacks(parts, ckpt_path, weights_only, optimizers_ready=True)
     if pending is not None and not weights_only:
-        restore_training_state(trainer, pending)
+        restore_training_state(parts, pending)
 
 
 @dataclass
@@ -149,7 +156,7 @@ class PendingRestore:
 
 
 def restore_module_and_callbacks(
-    trainer: Trainer,
+    parts: CheckpointParts,
     ckpt_path: Union[str, os.PathLike],
     weights_only: bool = False,
     optimizers_ready: bool = False,
@@ -165,11 +172,11 @@ def restore_module_and_callbacks(
     ``load_state_dict``. Returns what :func:`restore_training_state` finishes, or ``None`` when
     ``ckpt_path="last"`` found nothing.
     """
-    path = resolve_ckpt_path(trainer, ckpt_path)
+    path = resolve_ckpt_path(parts, ckpt_path)
     if path is None:
         return None
-    module = trainer.lightning_module
-    plugin = trainer.plugin
+    module = parts.module
+    plugin = parts.plugin
     assert module is not None
     checkpoint = plugin.load_checkpoint(path)
     if is_lightning_checkpoint(checkpoint):  # converted to this format (checkpoint/lightning.py)
@@ -177,7 +184,7 @@ def restore_module_and_callbacks(
         checkpoint = from_lightning(checkpoint, module, path, optimizers)
     validate_checkpoint(checkpoint, path, for_resume=not weights_only)
     _plain_names(checkpoint)
-    runner = trainer.hook_runner
+    runner = parts.hooks
     runner.call_module("on_load_checkpoint", checkpoint)
     strict = module.strict_loading
     check_state_dict_matches(
@@ -190,7 +197,9 @@ def restore_module_and_callbacks(
             pending.scheduler_states = _scheduler_states_for(
                 checkpoint[KEY_LR_SCHEDULERS], len(plugin.lr_scheduler_configs), path
             )
-            pending.optimizer_states = _optimizer_states_for(trainer, checkpoint[KEY_OPTIMIZER_STATES], path)
+            pending.optimizer_states = _optimizer_states_for(
+                plugin, module, checkpoint[KEY_OPTIMIZER_STATES], path
+            )
         else:
             _check_optimizer_names(module, checkpoint[KEY_OPTIMIZER_STATES], path)
 
@@ -205,32 +214,31 @@ def restore_module_and_callbacks(
             for k, v in module.state_dict().items()
         }
     plugin.load_model_state_dict(checkpoint[KEY_STATE_DICT], strict=strict)
-    trainer.ckpt_path = path
+    parts.restored_from(path)
     if weights_only:
         return pending
-    if trainer.datamodule is not None and KEY_DATAMODULE in checkpoint:
-        trainer.datamodule.load_state_dict(checkpoint[KEY_DATAMODULE])
-    with runner.running("on_load_checkpoint"):
-        for cb in trainer.callbacks:
-            cb.on_load_checkpoint(trainer, module, checkpoint)
+    if parts.datamodule is not None and KEY_DATAMODULE in checkpoint:
+        parts.datamodule.load_state_dict(checkpoint[KEY_DATAMODULE])
+    # Lightning's signature: each callback's hook receives the Trainer, which the hook runner holds.
+    runner.call_callbacks_on_checkpoint("on_load_checkpoint", checkpoint)
     callback_states = checkpoint.get(KEY_CALLBACKS, {})
-    for cb in trainer.callbacks:
+    for cb in parts.callbacks:
         if cb.state_key in callback_states:
             cb.load_state_dict(callback_states[cb.state_key])
     return pending
 
 
-def restore_training_state(trainer: Trainer, pending: PendingRestore) -> None:
+def restore_training_state(parts: CheckpointParts, pending: PendingRestore) -> None:
     """The second step, once the optimizers exist: optimizers, schedulers, precision and loop position.
 
     The optimizer and scheduler states are checked against this run's optimizers and schedulers
     before any of them loads.
     """
-    plugin = trainer.plugin
+    plugin = parts.plugin
     checkpoint, path = pending.checkpoint, pending.path
     try:
         # A Lightning checkpoint's optimizer states are index-keyed until the optimizers exist to name them.
-        name_pending_optimizer_states(checkpoint, trainer.lightning_module, plugin.optimizers, path)
+        name_pending_optimizer_states(checkpoint, parts.module, plugin.optimizers, path)
         scheduler_states = pending.scheduler_states
         if scheduler_states is None:
             scheduler_states = _scheduler_states_for(
@@ -238,7 +246,9 @@ def restore_training_state(trainer: Trainer, pending: PendingRestore) -> None:
             )
         optimizer_states = pending.optimizer_states
         if optimizer_states is None:
-            optimizer_states = _optimizer_states_for(trainer, checkpoint[KEY_OPTIMIZER_STATES], path)
+            optimizer_states = _optimizer_states_for(
+                plugin, parts.module, checkpoint[KEY_OPTIMIZER_STATES], path
+            )
     except CheckpointError:
         if pending.previous_weights is not None:
             # The file does not fit this run's optimizers: the model gets its own weights back.
@@ -252,9 +262,9 @@ def restore_training_state(trainer: Trainer, pending: PendingRestore) -> None:
         config.scheduler.load_state_dict(state)
         if regrouped:
             rebase_learning_rates(config.scheduler)
-    _take_pending_plateau_steps(trainer, checkpoint[KEY_LOOPS])
+    _take_pending_plateau_steps(parts, checkpoint[KEY_LOOPS])
     _restore_precision(plugin.precision, checkpoint)
-    _restore_loops(trainer, checkpoint)
+    _restore_loops(parts.progress, plugin, checkpoint)
 
 
 def _restore_precision(precision: Precision, checkpoint: dict[str, Any]) -> None:
@@ -268,7 +278,7 @@ def _restore_precision(precision: Precision, checkpoint: dict[str, Any]) -> None
     precision.load_state_dict(scaler_state)
 
 
-def _check_optimizer_names(module: LightningModule, saved: list[dict[str, Any]], path: str) -> None:
+def _check_optimizer_names(module: nn.Module, saved: list[dict[str, Any]], path: str) -> None:
     """Before the optimizers exist: every parameter a saved optimizer state names is one of the module's.
 
     And its per-element state (Adam's ``exp_avg``, SGD's ``momentum_buffer``) has that parameter's
@@ -298,21 +308,22 @@ def _check_optimizer_names(module: LightningModule, saved: list[dict[str, Any]],
         )
 
 
-def _optimizer_states_for(trainer: Trainer, saved: list[dict[str, Any]], path: str) -> list[Any]:
+def _optimizer_states_for(
+    plugin: CheckpointPlugin, module: nn.Module, saved: list[dict[str, Any]], path: str
+) -> list[Any]:
     """What each of this run's optimizers loads, checked; nothing is changed here.
 
     With as many optimizers as were saved, each takes its own state. With more or fewer (the model
     was split into more or fewer parts, each with its own optimizer), the name-keyed states are
     pooled and every optimizer takes, by name, the parameters it holds.
     """
-    plugin = trainer.plugin
     optimizers = plugin.optimizers
     if len(saved) == len(optimizers):
         return [plugin.prepare_optimizer_state(opt, state, path) for state, opt in zip(saved, optimizers)]
     if not saved:
         raise CheckpointError(f"{path} holds no optimizer state; resume from a full checkpoint.")
     pooled = merge_named_states(saved)
-    names = parameter_names(trainer.lightning_module)  # type: ignore[arg-type]
+    names = parameter_names(module)
     prepared = []
     for opt in optimizers:
         mine = [names[p] for group in opt.param_groups for p in group["params"] if p in names]
@@ -346,58 +357,56 @@ def _scheduler_states_for(saved: list[dict[str, Any]], count: int, path: str) ->
     return [copy.deepcopy(saved[0]) for _ in range(count)]
 
 
-def _take_pending_plateau_steps(trainer: Trainer, loops: dict[str, Any]) -> None:
+def _take_pending_plateau_steps(parts: CheckpointParts, loops: dict[str, Any]) -> None:
     """The ReduceLROnPlateau steps the saved run took right after writing the checkpoint."""
     pending = loops.get(LOOP_PENDING_PLATEAU)
     if not pending:
         return
-    for config in trainer.lr_scheduler_configs:
+    for config in parts.plugin.lr_scheduler_configs:
         due = (loops[LOOP_EPOCH] + 1) % config.frequency == 0
         if config.reduce_on_plateau and config.interval == "epoch" and due and config.monitor in pending:
-            trainer.hook_runner.call_module("lr_scheduler_step", config.scheduler, pending[config.monitor])
+            parts.hooks.call_module("lr_scheduler_step", config.scheduler, pending[config.monitor])
 
 
-def _restore_loops(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+def _restore_loops(progress: Progress, plugin: CheckpointPlugin, checkpoint: dict[str, Any]) -> None:
     loops = checkpoint[KEY_LOOPS]
-    progress = trainer.progress
     progress.load_state_dict(
-        loops, checkpoint[KEY_GLOBAL_STEP], _rng_for_this_rank(trainer, checkpoint), data_replicas(trainer)
+        loops, checkpoint[KEY_GLOBAL_STEP], _rng_for_this_rank(plugin, checkpoint), data_replicas(plugin)
     )
     own = loops
     per_rank = loops.get(LOOP_PER_RANK)
-    if per_rank is not None and len(per_rank) == trainer.world_size:
-        own = per_rank[trainer.global_rank]
+    if per_rank is not None and len(per_rank) == plugin.world_size:
+        own = per_rank[plugin.global_rank]
     progress.resume.dataloader_state = own.get(LOOP_DATALOADER)
     progress.resume.grads = own.get(LOOP_GRADS)
 
 
-def resume_batch_at_another_world_size(trainer: Trainer, loader: Any) -> None:
+def resume_batch_at_another_world_size(progress: Progress, plugin: CheckpointPlugin, loader: Any) -> None:
     """Once the loader exists: the first batch after the samples the saved run had already seen."""
-    resume = trainer.progress.resume
+    resume = progress.resume
     samples = resume.samples_done
     resume.samples_done = None
     batch = loader_batch_size(loader)
     if samples is not None and batch:
-        resume.batch_idx = samples // (data_replicas(trainer) * batch)
+        resume.batch_idx = samples // (data_replicas(plugin) * batch)
 
 
-def _rng_for_this_rank(trainer: Trainer, checkpoint: dict[str, Any]) -> dict[str, Any]:
+def _rng_for_this_rank(plugin: CheckpointPlugin, checkpoint: dict[str, Any]) -> dict[str, Any]:
     """This rank's own saved generators at the same world size; rank 0's at another one."""
     per_rank = checkpoint.get(KEY_RNG_PER_RANK)
-    if per_rank is not None and len(per_rank) == trainer.world_size:
-        return per_rank[trainer.global_rank]
+    if per_rank is not None and len(per_rank) == plugin.world_size:
+        return per_rank[plugin.global_rank]
     return checkpoint[KEY_RNG]
 
 
 def load_module_from_checkpoint(
-    cls: type[LightningModule],
+    cls: type[ModuleT],
     checkpoint_path: Union[str, os.PathLike],
     map_location: Any = None,
     strict: Optional[bool] = None,
     **overrides: Any,
-) -> LightningModule:
-    """``cls`` built from the checkpoint's hyper-parameters (``overrides`` win), with its weights loaded."""
-    from trainer_core.module import hparams_argument
+) -> ModuleT:
+    """``cls`` (a ``LightningModule``) built from the checkpoint's hyper-parameters (``overrides`` win), with its weights loaded."""
     from trainer_core.plugins.io import TorchCheckpointIO
 
     path = os.fspath(checkpoint_path)
@@ -442,7 +451,7 @@ def _plain_names(checkpoint: dict[str, Any]) -> None:
         ]
 
 
-def _strict_for(model: LightningModule, strict: Optional[bool]) -> bool:
+def _strict_for(model: Any, strict: Optional[bool]) -> bool:
     """``load_from_checkpoint(strict=...)`` if given, else the module's ``strict_loading``; both given must agree."""
     if strict is not None and model._strict_loading is not None and strict != model.strict_loading:
         raise MisconfigurationException(

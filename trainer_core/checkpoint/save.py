@@ -1,7 +1,9 @@
 """Building the checkpoint dict of a run, on every rank.
 
-``dump_checkpoint`` assembles the dict of the checkpoint contract (docs/architecture.md); the plugin
-fills the parts it owns (model state, optimizer state under the consolidation rule) and writes it.
+``dump_checkpoint`` assembles the dict of the checkpoint contract (docs/architecture.md) from the
+run's stateful parts (:class:`~trainer_core.run_state.CheckpointParts`, which the Trainer hands over:
+this module never sees the Trainer); the plugin fills the parts it owns (model state, optimizer state
+under the consolidation rule) and writes it.
 """
 
 from __future__ import annotations
@@ -47,10 +49,10 @@ from trainer_core.checkpoint.format import (
 )
 from trainer_core.checkpoint.rng import collect_rng_states
 from trainer_core.utilities import rank_zero_warn
-from trainer_core.utilities.compile import plain_name, plain_named_parameters
+from trainer_core.utilities.compiled_names import plain_name, plain_named_parameters
 
 if TYPE_CHECKING:
-    from trainer_core.trainer import Trainer
+    from trainer_core.run_state import CheckpointParts, CheckpointPlugin
 
 
 def _plain_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
@@ -81,10 +83,10 @@ def _is_plain(value: Any) -> bool:
     return False
 
 
-def data_replicas(trainer: Trainer) -> int:
+def data_replicas(plugin: CheckpointPlugin) -> int:
     """Processes that each draw their own part of the data (all of them, but for pipeline parallelism)."""
-    kwargs = trainer.plugin.distributed_sampler_kwargs
-    return kwargs["num_replicas"] if kwargs else trainer.world_size
+    kwargs = plugin.distributed_sampler_kwargs
+    return kwargs["num_replicas"] if kwargs else plugin.world_size
 
 
 def loader_batch_size(loader: Any) -> Optional[int]:
@@ -92,28 +94,28 @@ def loader_batch_size(loader: Any) -> Optional[int]:
     return size if isinstance(size, int) else None
 
 
-def loop_state(trainer: Trainer) -> dict[str, Any]:
-    """Where the fit loop stands (``trainer.progress``), with what the data and schedulers add to it."""
-    progress = trainer.progress
+def loop_state(parts: CheckpointParts) -> dict[str, Any]:
+    """Where the fit loop stands (``parts.progress``), with what the data and schedulers add to it."""
+    progress = parts.progress
     state = progress.state_dict()
-    state[LOOP_WORLD_SIZE] = data_replicas(trainer)
-    state[LOOP_BATCH_SIZE] = loader_batch_size(trainer.train_dataloader)
+    state[LOOP_WORLD_SIZE] = data_replicas(parts.plugin)
+    state[LOOP_BATCH_SIZE] = loader_batch_size(parts.train_dataloader)
     if progress.epoch_finished and not progress.plateau_stepped:
         # Saved in an epoch-end hook, before the epoch's ReduceLROnPlateau step: keep the metric it
         # will read, so the resumed run takes that step exactly as the saved run did next.
         pending = {}
-        for config in trainer.lr_scheduler_configs:
+        for config in parts.plugin.lr_scheduler_configs:
             if (
                 config.reduce_on_plateau
                 and config.interval == "epoch"
-                and config.monitor in trainer.callback_metrics
+                and config.monitor in parts.callback_metrics()
             ):
                 pending[config.monitor] = (
-                    torch.as_tensor(trainer.callback_metrics[config.monitor]).detach().cpu()
+                    torch.as_tensor(parts.callback_metrics()[config.monitor]).detach().cpu()
                 )
         if pending:
             state[LOOP_PENDING_PLATEAU] = pending
-    seed = getattr(getattr(trainer.train_dataloader, "sampler", None), "seed", None)
+    seed = getattr(getattr(parts.train_dataloader, "sampler", None), "seed", None)
     if isinstance(seed, int):
         # A DistributedSampler shuffles from its own seed (from seed_everything): a resumed process
         # seeded differently must still draw the saved run's order.
@@ -121,28 +123,28 @@ def loop_state(trainer: Trainer) -> dict[str, Any]:
     return state
 
 
-def rank_loop_state(trainer: Trainer) -> dict[str, Any]:
+def rank_loop_state(parts: CheckpointParts) -> dict[str, Any]:
     """The parts of the loop position each rank holds for itself: its loader's state, its gradients."""
     state: dict[str, Any] = {}
-    loader = trainer.train_dataloader
+    loader = parts.train_dataloader
     if loader is not None and callable(getattr(loader, "state_dict", None)):
         state[LOOP_DATALOADER] = loader.state_dict()
-    module = trainer.lightning_module
-    progress = trainer.progress
+    module = parts.module
+    progress = parts.progress
+    accumulate = parts.accumulate_grad_batches
+    plugin = parts.plugin
     mid_cycle = (
         module is not None
         and module.automatic_optimization
-        and trainer.accumulate_grad_batches > 1
-        and progress.batches_done_in_epoch % trainer.accumulate_grad_batches != 0
+        and accumulate > 1
+        and progress.batches_done_in_epoch % accumulate != 0
         and not progress.epoch_finished
     )
-    unsaved = (
-        trainer.plugin.mid_accumulation_gradients_unsaved if mid_cycle and trainer.world_size > 1 else None
-    )
+    unsaved = plugin.mid_accumulation_gradients_unsaved if mid_cycle and plugin.world_size > 1 else None
     if unsaved:
         rank_zero_warn(
             f"This checkpoint is written between two optimizer steps (accumulate_grad_batches="
-            f"{trainer.accumulate_grad_batches}) under {type(trainer.plugin).__name__}: {unsaved}. A run resumed from it "
+            f"{accumulate}) under {type(plugin).__name__}: {unsaved}. A run resumed from it "
             "continues without them, so it is not exactly the run that went on. Save at optimizer steps "
             "(ModelCheckpoint(every_n_train_steps=...) does) for an exact resume."
         )
@@ -173,16 +175,21 @@ def frozen_parameter_names(module: torch.nn.Module, state_dict: dict[str, Any]) 
     return [name for name in state_dict if name in frozen] if frozen else []
 
 
-def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
-    """The checkpoint dict, on every rank (sharded parts filled in by the plugin)."""
-    module = trainer.lightning_module
-    plugin = trainer.plugin
+def dump_checkpoint(parts: CheckpointParts, weights_only: bool = False) -> dict[str, Any]:
+    """The checkpoint dict of the run ``parts`` describe, on every rank (sharded parts filled in by the plugin).
+
+    Keys in the contract's order; the module's ``on_save_checkpoint`` runs last (after the callbacks'
+    unless ``weights_only``) and may edit the dict.
+    """
+    module = parts.module
+    plugin = parts.plugin
+    progress = parts.progress
     assert module is not None
     checkpoint: dict[str, Any] = {
         KEY_FORMAT_VERSION: FORMAT_VERSION,
         KEY_VERSION: __version__,
-        KEY_EPOCH: trainer.current_epoch,
-        KEY_GLOBAL_STEP: trainer.global_step,
+        KEY_EPOCH: progress.current_epoch,
+        KEY_GLOBAL_STEP: progress.global_step,
         KEY_STATE_DICT: plugin.lightning_module_state_dict(),
         KEY_PLUGIN: {
             PLUGIN_NAME: plugin.name,
@@ -198,7 +205,7 @@ def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, A
         checkpoint[KEY_HPARAMS] = _plain_hparams(dict(module.hparams))
         if getattr(module, "_hparams_name", None):
             checkpoint[KEY_HPARAMS_NAME] = module._hparams_name
-    datamodule = trainer.datamodule
+    datamodule = parts.datamodule
     if datamodule is not None and datamodule.hparams:
         # Lightning's key and layout: `MyData.load_from_checkpoint(path)` rebuilds the data module.
         checkpoint[KEY_DATAMODULE_HPARAMS] = _plain_hparams(dict(datamodule.hparams))
@@ -209,17 +216,17 @@ def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, A
         checkpoint[KEY_LR_SCHEDULERS] = [
             config.scheduler.state_dict() for config in plugin.lr_scheduler_configs
         ]
-        checkpoint[KEY_LOOPS] = loops = loop_state(trainer)
+        checkpoint[KEY_LOOPS] = loops = loop_state(parts)
         checkpoint[KEY_CALLBACKS] = {}
-        for cb in trainer.callbacks:
+        for cb in parts.callbacks:
             state = cb.state_dict()
             if state:
                 checkpoint[KEY_CALLBACKS][cb.state_key] = state
         # Every rank's generators: ranks draw different dropout masks, and an exact resume at the
         # same world size gives each rank back its own stream.
-        paused = trainer.progress.paused_rng
+        paused = progress.paused_rng
         rng = paused if paused is not None else collect_rng_states()
-        per_rank = plugin.all_gather_object((rng, rank_loop_state(trainer)))
+        per_rank = plugin.all_gather_object((rng, rank_loop_state(parts)))
         rngs = [entry[0] for entry in per_rank]
         owns = [entry[1] for entry in per_rank]
         # Rank 0's at the top: what a run at another world size takes.
@@ -230,12 +237,11 @@ def dump_checkpoint(trainer: Trainer, weights_only: bool = False) -> dict[str, A
         if len(rngs) > 1:
             checkpoint[KEY_RNG_PER_RANK] = rngs
         checkpoint[KEY_PRECISION] = plugin.precision.state_dict()
-        if trainer.datamodule is not None:
-            dm_state = trainer.datamodule.state_dict()
+        if datamodule is not None:
+            dm_state = datamodule.state_dict()
             if dm_state:
                 checkpoint[KEY_DATAMODULE] = dm_state
-        with trainer.hook_runner.running("on_save_checkpoint"):
-            for cb in trainer.callbacks:
-                cb.on_save_checkpoint(trainer, module, checkpoint)
-    trainer.hook_runner.call_module("on_save_checkpoint", checkpoint)
+        # Lightning's signature: each callback's hook receives the Trainer, which the hook runner holds.
+        parts.hooks.call_callbacks_on_checkpoint("on_save_checkpoint", checkpoint)
+    parts.hooks.call_module("on_save_checkpoint", checkpoint)
     return checkpoint

@@ -13,7 +13,7 @@ from trainer_core.errors import MisconfigurationException
 from trainer_core.utilities import rank_zero_warn
 
 if TYPE_CHECKING:
-    from trainer_core.trainer import Trainer
+    from trainer_core.run_state import RunState
 
 _KIND_HOOK = {
     "train": "train_dataloader",
@@ -23,7 +23,7 @@ _KIND_HOOK = {
 }
 
 
-def resolve_dataloaders(trainer: Trainer, kind: str, given: Any) -> list[Any]:
+def resolve_dataloaders(trainer: RunState, kind: str, given: Any) -> list[Any]:
     """The dataloaders of ``kind``: given to the entry point, else the datamodule's, else the module's."""
     hook = _KIND_HOOK[kind]
     if given is None:
@@ -53,7 +53,7 @@ def resolve_dataloaders(trainer: Trainer, kind: str, given: Any) -> list[Any]:
     ]
 
 
-def _in_order(trainer: Trainer, loader: Any, kind: str) -> Any:
+def _in_order(trainer: RunState, loader: Any, kind: str) -> Any:
     """``Trainer(overfit_batches=...)``: the loader without shuffling, so that every epoch sees the same batches.
 
     Lightning's rule, for the train and the val loaders of ``fit`` (each keeps its own data); a
@@ -116,7 +116,7 @@ def with_last_flag(iterator: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
     yield previous, True
 
 
-def _transfer(trainer: Trainer, hooks: tuple[Any, Any, Any], batch: Any, dataloader_idx: int) -> Any:
+def _transfer(trainer: RunState, hooks: tuple[Any, Any, Any], batch: Any, dataloader_idx: int) -> Any:
     """The batch through the run's three transfer hooks (each the data module's or the module's)."""
     before, transfer, after = hooks
     runner = trainer.hook_runner
@@ -132,7 +132,7 @@ def _transfer(trainer: Trainer, hooks: tuple[Any, Any, Any], batch: Any, dataloa
         runner.current_fx = previous
 
 
-def batch_mover(trainer: Trainer) -> Optional[Callable[[Any, int], Any]]:
+def batch_mover(trainer: RunState) -> Optional[Callable[[Any, int], Any]]:
     """How a batch reaches the device: the user's hooks, the plugin, or (on the CPU) not at all.
 
     Under ``"bf16-true"``, ``"16-true"`` and ``"64-true"`` its floating tensors are first converted to the
@@ -148,7 +148,7 @@ def batch_mover(trainer: Trainer) -> Optional[Callable[[Any, int], Any]]:
     return lambda batch, idx: move(convert(batch), idx)
 
 
-def _device_mover(trainer: Trainer) -> Optional[Callable[[Any, int], Any]]:
+def _device_mover(trainer: RunState) -> Optional[Callable[[Any, int], Any]]:
     hooks = trainer.hook_runner.batch.batch_transfer
     if hooks:
         return lambda batch, idx: _transfer(trainer, hooks, batch, idx)

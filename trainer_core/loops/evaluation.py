@@ -14,7 +14,8 @@ import torch
 from lightning_utilities.core.overrides import is_overridden
 from torch.utils.data import DataLoader
 
-from trainer_core.connectors import prediction_writer_intervals
+from trainer_core.callback_queries import prediction_writer_intervals
+from trainer_core.checkpoint.restore import restore_checkpoint
 from trainer_core.errors import MisconfigurationException
 from trainer_core.hooks import check_dataloader_idx, step_caller
 from trainer_core.loops.data import batch_mover, num_batches, resolve_dataloaders
@@ -24,13 +25,13 @@ from trainer_core.results import ResultCollection
 from trainer_core.utilities import rank_zero_warn
 
 if TYPE_CHECKING:
-    from trainer_core.trainer import Trainer
+    from trainer_core.run_state import RunState
 
 _STEP = {"validation": "validation_step", "test": "test_step", "predict": "predict_step"}
 
 
 def run_loop(
-    trainer: Trainer,
+    trainer: RunState,
     prefix: str,
     loaders: list[Any],
     limits: list[Union[int, float]],
@@ -137,15 +138,13 @@ def _restore_modes(modes: Optional[list[tuple[torch.nn.Module, bool]]]) -> None:
         submodule.training = training
 
 
-def _restore_weights(trainer: Trainer, ckpt_path: Any) -> None:
+def _restore_weights(trainer: RunState, ckpt_path: Any) -> None:
     if ckpt_path is not None:
-        from trainer_core.checkpoint.restore import restore_checkpoint
-
-        restore_checkpoint(trainer, ckpt_path, weights_only=True)
+        restore_checkpoint(trainer.checkpoint_parts(), ckpt_path, weights_only=True)
 
 
 def run_evaluation(
-    trainer: Trainer, stage: str, dataloaders: Any, ckpt_path: Any, verbose: bool
+    trainer: RunState, stage: str, dataloaders: Any, ckpt_path: Any, verbose: bool
 ) -> list[dict[str, float]]:
     """``trainer.validate`` / ``trainer.test``: the stage's loop once, its metrics printed and returned."""
     kind, prefix, limit_name = (
@@ -175,7 +174,7 @@ def run_evaluation(
 
 
 def run_predict(
-    trainer: Trainer, dataloaders: Any, ckpt_path: Any, return_predictions: Optional[bool]
+    trainer: RunState, dataloaders: Any, ckpt_path: Any, return_predictions: Optional[bool]
 ) -> Optional[list[Any]]:
     """``trainer.predict``: ``predict_step`` over the data; the predictions (a list per dataloader if several)."""
     _restore_weights(trainer, ckpt_path)

@@ -15,8 +15,14 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from trainer_core.callback_queries import monitoring_callbacks
+from trainer_core.checkpoint.restore import (
+    PendingRestore,
+    restore_module_and_callbacks,
+    restore_training_state,
+    resume_batch_at_another_world_size,
+)
 from trainer_core.checkpoint.rng import apply_rng_states, collect_rng_states
-from trainer_core.connectors import monitoring_callbacks
 from trainer_core.datamodule import hyperparameters_to_log
 from trainer_core.errors import MisconfigurationException
 from trainer_core.loops.data import batch_mover, num_batches, resolve_dataloaders, with_last_flag
@@ -25,12 +31,11 @@ from trainer_core.loops.schedulers import update_lr_schedulers
 from trainer_core.loops.training_step import TrainingStep
 from trainer_core.profilers.base import profiled, profiled_iter
 from trainer_core.utilities import rank_zero_warn
-from trainer_core.utilities.compile import plain_named_parameters
+from trainer_core.utilities.compiled_names import plain_named_parameters
 
 if TYPE_CHECKING:
-    from trainer_core.checkpoint.restore import PendingRestore
+    from trainer_core.run_state import RunState
     from trainer_core.signals import PreemptionHandler
-    from trainer_core.trainer import Trainer
 
 _EXHAUSTED = object()
 
@@ -42,7 +47,7 @@ class FitLoop:
     #: without backward or optimizer step (``StochasticWeightAveraging``'s BatchNorm statistics pass).
     forward_only: bool = False
 
-    def __init__(self, trainer: Trainer, train_source: Any, val_source: Any, ckpt_path: Any) -> None:
+    def __init__(self, trainer: RunState, train_source: Any, val_source: Any, ckpt_path: Any) -> None:
         self.trainer = trainer
         self.train_source = train_source
         self.val_source = val_source
@@ -68,13 +73,12 @@ class FitLoop:
             for lg in t.loggers:
                 lg.log_hyperparams(hparams)
         if self.ckpt_path is not None:
-            from trainer_core.checkpoint.restore import restore_module_and_callbacks, restore_training_state
-
             pending, self.pending_restore = self.pending_restore, None
+            parts = t.checkpoint_parts()
             if pending is None and t.plugin.restore_checkpoint_after_setup:
-                pending = restore_module_and_callbacks(t, self.ckpt_path, optimizers_ready=True)
+                pending = restore_module_and_callbacks(parts, self.ckpt_path, optimizers_ready=True)
             if pending is not None:
-                restore_training_state(t, pending)
+                restore_training_state(parts, pending)
 
         sanity = (
             t.num_sanity_val_steps != 0
@@ -147,9 +151,7 @@ class FitLoop:
             loader.sampler.seed = seed
         t.train_dataloader = loader
         if resume.samples_done is not None:
-            from trainer_core.checkpoint.restore import resume_batch_at_another_world_size
-
-            resume_batch_at_another_world_size(t, loader)
+            resume_batch_at_another_world_size(t.progress, t.plugin, loader)
         t.num_training_batches = num_batches(loader, t.limit_train_batches, "limit_train_batches")
         if isinstance(t.val_check_interval, int):
             t.val_check_batch = t.val_check_interval
@@ -556,7 +558,7 @@ def _epoch_of_stateful_loader(loader: Any) -> Iterator[Any]:
     return itertools.chain((first,), iterator)
 
 
-def _put_back_gradients(trainer: Trainer, grads: dict[str, Any]) -> None:
+def _put_back_gradients(trainer: RunState, grads: dict[str, Any]) -> None:
     """The gradients of the saved run's unfinished accumulation cycle, by parameter name (plain, as saved)."""
     for name, param in plain_named_parameters(trainer.lightning_module):
         if name in grads:

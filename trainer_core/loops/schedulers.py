@@ -8,10 +8,10 @@ from trainer_core.errors import MisconfigurationException
 from trainer_core.utilities import rank_zero_warn
 
 if TYPE_CHECKING:
-    from trainer_core.trainer import Trainer
+    from trainer_core.run_state import RunState
 
 
-def update_lr_schedulers(trainer: Trainer, interval: str, plateau: bool) -> None:
+def update_lr_schedulers(trainer: RunState, interval: str, plateau: bool) -> None:
     """Step the schedulers of ``interval`` whose frequency is due (Lightning's rule)."""
     configs = trainer.plugin.lr_scheduler_configs
     if not configs:

@@ -30,7 +30,7 @@ from trainer_core.profilers.base import Profiler, profiled
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
-    from trainer_core.trainer import Trainer
+    from trainer_core.run_state import RunState
 
 
 class TrainingStep:
@@ -67,7 +67,7 @@ class TrainingStep:
         "zero_grad_hooks",
     )
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: RunState) -> None:
         from trainer_core.plugins import TrainingTypePlugin
 
         module = trainer.lightning_module
