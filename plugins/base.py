@@ -21,9 +21,10 @@ from torch.optim import Optimizer
 
 from trainer_core.errors import MisconfigurationException
 from trainer_core.optim import LRSchedulerConfig, optimizer_defaults, parse_optimizers
+from trainer_core.plugins.grad_norm import clip_grads_by_total_norm, clip_grads_by_value
 from trainer_core.precision import Precision
 from trainer_core.utilities import move_data_to_device
-from trainer_core.utilities.compile import module_state_dict, plain_state_dict
+from trainer_core.utilities.compiled_names import module_state_dict, plain_state_dict
 
 __all__ = ["TrainingTypePlugin", "optimizer_defaults"]
 
@@ -35,7 +36,22 @@ if TYPE_CHECKING:
     from trainer_core.trainer import Trainer
 
 
-class TrainingTypePlugin:
+class _RefusesUnknownArguments:
+    """Refuses, where a plugin is built, every keyword argument its class would not read.
+
+    Checked before any ``__init__`` runs, so a misspelt name fails with the plugin's own message (a
+    close match, the valid names) instead of Python's ``TypeError`` or being passed down to a wrapper
+    that never reads it. It sits under ``TrainingTypePlugin`` so that ``inspect.signature`` of every
+    plugin class (``help()``, LightningCLI's YAML) reads that class's ``__init__``.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            _check_arguments(cls, kwargs)  # type: ignore[arg-type]
+        return super().__new__(cls)
+
+
+class TrainingTypePlugin(_RefusesUnknownArguments):
     """Base plugin: one process, no collectives; subclasses add processes and wrapping.
 
     Every plugin takes the keyword arguments of its ``__init__``; a ``**kwargs`` there is passed on to
@@ -58,13 +74,9 @@ class TrainingTypePlugin:
     #: Whether a checkpoint's weights load only once ``setup`` has wrapped the model (its shards exist):
     #: then the module's and callbacks' ``on_load_checkpoint`` run after ``configure_optimizers`` (Lightning's name).
     restore_checkpoint_after_setup: bool = False
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> TrainingTypePlugin:
-        # Checked here, once for every plugin and before any ``__init__`` runs: a misspelt name fails
-        # where the user builds the plugin instead of being passed down to a wrapper that never reads it.
-        if kwargs:
-            _check_arguments(cls, kwargs)
-        return super().__new__(cls)
+    #: Whether each rank holds only part of the gradients (its shards, its stage, the partition it owns), so
+    #: that an inf/NaN shows on some ranks only: then the loss scaler agrees over every rank (``grad_scaler``).
+    holds_partial_gradients: bool = False
 
     def __init__(self, checkpoint_io: Optional[CheckpointIO] = None) -> None:
         self._checkpoint_io = checkpoint_io
@@ -266,8 +278,17 @@ class TrainingTypePlugin:
 
     # ------------------------------------------------------------------ steps
     def no_backward_sync(self) -> contextlib.AbstractContextManager:
-        """Skip gradient synchronisation while accumulating (DDP's ``no_sync``); a no-op here."""
-        return contextlib.nullcontext()
+        """Skip gradient synchronisation while accumulating (DDP's ``no_sync``); a no-op where nothing syncs."""
+        pause = self._gradient_sync_pause()
+        return contextlib.nullcontext() if pause is None else pause
+
+    def _gradient_sync_pause(self) -> Optional[contextlib.AbstractContextManager]:
+        """The context in which the backward does not synchronise gradients, or ``None``: nothing to pause.
+
+        Each plugin says how its wrapper pauses (DDP's ``no_sync``, FSDP's ``set_requires_gradient_sync``,
+        the pipeline's own flag); :meth:`no_backward_sync` is the one rule around it.
+        """
+        return None
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None) -> Any:
         return move_data_to_device(batch, device or self.root_device)
@@ -340,32 +361,38 @@ class TrainingTypePlugin:
     def grad_scaler(self) -> torch.amp.GradScaler:
         """The loss scaler of ``precision="16-mixed"``, made once the processes exist.
 
-        Torch's own: every rank holds all of its gradients (and data parallelism has already averaged
-        them), so each rank finds the same inf/NaN. Plugins whose ranks hold only part of the gradients
-        return :meth:`sharded_grad_scaler` instead.
+        Where every rank holds all of its gradients (and data parallelism has already averaged them),
+        each rank finds the same inf/NaN, and torch's own ``GradScaler`` suffices. Where ranks hold
+        parts (:attr:`holds_partial_gradients`), torch's ``ShardedGradScaler`` agrees over every rank
+        whether any gradient is inf/NaN (one tiny all-reduce a step), so every rank skips the same steps.
         """
+        if self.holds_partial_gradients and self.world_size > 1:
+            return _sharded_grad_scaler(self.root_device.type)
         return torch.amp.GradScaler(self.root_device.type)
 
-    def sharded_grad_scaler(self) -> torch.amp.GradScaler:
-        """A loss scaler that agrees over every rank whether any gradient is inf/NaN (one tiny all-reduce a step).
-
-        Torch's ``ShardedGradScaler``, on any device. fairscale's own (``fairscale.optim.grad_scaler``)
-        does the same but is built on ``torch.cuda.amp`` and turns itself off without CUDA.
-        """
-        if self.world_size == 1:
-            return TrainingTypePlugin.grad_scaler(self)
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return ShardedGradScaler(self.root_device.type)
-
     def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
-        """Clip the gradients of ``optimizer``'s parameters, unscaled first under loss scaling."""
+        """Clip the gradients of ``optimizer``'s parameters, unscaled first under loss scaling.
+
+        By norm: the norm of all the model's gradients together, as one process holding them all
+        would compute it (``total_grad_norm``: shards summed over their mesh, the ranks of
+        :meth:`_grad_norm_parts` joined); one process clips exactly as torch's ``clip_grad_norm_``.
+        By value: every element of the shards this rank holds.
+        """
         self.precision.unscale_gradients(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if algorithm == "norm":
-            torch.nn.utils.clip_grad_norm_(params, clip_val)
+            grads, others = self._grad_norm_parts(optimizer)
+            clip_grads_by_total_norm(grads, clip_val, extra_group=others)
         else:
-            torch.nn.utils.clip_grad_value_(params, clip_val)
+            clip_grads_by_value(_gradients(optimizer), clip_val)
+
+    def _grad_norm_parts(self, optimizer: Optimizer) -> tuple[list[Tensor], Optional[Any]]:
+        """The gradients this rank adds to the clipping norm, and the group of ranks that hold the rest.
+
+        ``None``: this rank's gradients (``DTensor`` shards included, which carry their own mesh) are
+        the whole model's. Plugins whose ranks hold disjoint parts (pipeline stages, OSS partitions)
+        name the group that holds the others.
+        """
+        return _gradients(optimizer), None
 
     # ------------------------------------------------------------------ collectives
     def barrier(self, name: Optional[str] = None) -> None:
@@ -479,6 +506,22 @@ class TrainingTypePlugin:
     def remove_checkpoint(self, filepath: str) -> None:
         if self.is_global_zero:
             self.checkpoint_io.remove_checkpoint(filepath)
+
+
+def _sharded_grad_scaler(device_type: str) -> torch.amp.GradScaler:
+    """Torch's ``ShardedGradScaler``, on any device.
+
+    fairscale's own (``fairscale.optim.grad_scaler``) does the same but is built on ``torch.cuda.amp``
+    and turns itself off without CUDA.
+    """
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device_type)
+
+
+def _gradients(optimizer: Optimizer) -> list[Tensor]:
+    """The gradients of ``optimizer``'s parameters that exist, in the order of its groups."""
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
 def _check_arguments(cls: type[TrainingTypePlugin], given: dict[str, Any]) -> None:

@@ -122,11 +122,9 @@ class DDPPlugin(ParallelPlugin):
             return model("training_step", *args, **kwargs)
         return super().training_step(*args, **kwargs)
 
-    def no_backward_sync(self) -> contextlib.AbstractContextManager:
+    def _gradient_sync_pause(self) -> Optional[contextlib.AbstractContextManager]:
         model = self._model
-        if isinstance(model, DistributedDataParallel):
-            return model.no_sync()
-        return contextlib.nullcontext()
+        return model.no_sync() if isinstance(model, DistributedDataParallel) else None
 
     def backward(self, loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
         model = self._model

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
@@ -22,13 +23,16 @@ from torch.optim import Optimizer
 from trainer_core.checkpoint.format import KEY_OPTIMIZER_STATES, KEY_STATE_DICT
 from trainer_core.errors import MisconfigurationException
 from trainer_core.module import LightningModule
-from trainer_core.plugins.parallel import ParallelPlugin
+from trainer_core.plugins.parallel import DEFAULT_TIMEOUT, ParallelPlugin
 from trainer_core.plugins.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from trainer_core.plugins.environments import ClusterEnvironment
+    from trainer_core.plugins.io import CheckpointIO
+    from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
     from trainer_core.trainer import Trainer
 
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -41,8 +45,8 @@ class FSDPPlugin(ParallelPlugin):
     ``hybrid_shard=(replicas, shards)`` builds a 2-D mesh (HSDP): parameters are sharded within a
     group of ``shards`` ranks and replicated across ``replicas`` groups. A module may instead call
     ``fully_shard`` itself in ``configure_model`` (with ``self.trainer.strategy.device_mesh``);
-    the plugin then shards only the root. Other keyword arguments are ``ParallelPlugin``'s own
-    (``start_method``, ``timeout``, ``checkpoint_io``, ...); nothing is passed to a wrapper.
+    the plugin then shards only the root. The process arguments (``start_method``, ``timeout``,
+    ``checkpoint_io``, ...) are ``ParallelPlugin``'s; nothing is passed to a wrapper.
     """
 
     name = "fsdp"
@@ -54,6 +58,8 @@ class FSDPPlugin(ParallelPlugin):
     optimizer_in_backward_unsupported = None
     # A sharded folder loads into the shards, which exist once fully_shard has run (and a meta-device model is materialised).
     restore_checkpoint_after_setup = True
+    # Each rank holds the gradient shards of its parameter shards: an inf shows on one rank only.
+    holds_partial_gradients = True
 
     def __init__(
         self,
@@ -63,9 +69,13 @@ class FSDPPlugin(ParallelPlugin):
         cpu_offload: bool = False,
         state_dict_type: str = "full",
         hybrid_shard: Optional[tuple[int, int]] = None,
-        **kwargs: Any,
+        start_method: str = "popen",
+        process_group_backend: Optional[str] = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(start_method, process_group_backend, timeout, cluster_environment, checkpoint_io)
         if state_dict_type not in STATE_DICT_TYPES:
             raise MisconfigurationException(
                 f"FSDPPlugin(state_dict_type={state_dict_type!r}): use 'full' (one file, written by rank 0) or "
@@ -195,14 +205,8 @@ class FSDPPlugin(ParallelPlugin):
         finally:
             module.set_requires_gradient_sync(True)  # type: ignore[union-attr]
 
-    def no_backward_sync(self) -> contextlib.AbstractContextManager:
-        if self.world_size == 1:
-            return contextlib.nullcontext()
-        return self._skip_gradient_sync()
-
-    def grad_scaler(self) -> Any:
-        # Each rank holds the gradient shards of its parameter shards: an inf shows on one rank only.
-        return self.sharded_grad_scaler()
+    def _gradient_sync_pause(self) -> Optional[contextlib.AbstractContextManager]:
+        return None if self.world_size == 1 else self._skip_gradient_sync()
 
     # ------------------------------------------------------------------ state
     def _options(self, full: bool) -> Any:
@@ -215,6 +219,10 @@ class FSDPPlugin(ParallelPlugin):
     @property
     def _full(self) -> bool:
         return self.state_dict_type == "full"
+
+    @property
+    def _writes_sharded_checkpoints(self) -> bool:
+        return not self._full
 
     def _full_state(self, state_dict: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
         """The full state on rank 0 (``{}`` elsewhere) of ``state_dict(options)``, torch's getter of a state.
@@ -280,21 +288,14 @@ class FSDPPlugin(ParallelPlugin):
         given = {} if from_rank0 and self.global_rank != 0 else state_dict
         set_optimizer_state_dict(self._lightning_module, optimizer, given, options=options)
 
-    def load_checkpoint(self, filepath: str) -> dict[str, Any]:
-        """A sharded folder is read straight into this run's own shards (resharded by DCP); a file whole."""
-        from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO, is_sharded_checkpoint
-
-        if not is_sharded_checkpoint(filepath):
-            return super().load_checkpoint(filepath)
+    def _sharded_state_template(self, io: DistributedCheckpointIO, filepath: str) -> dict[str, Any]:
+        """This rank's model shards and optimizer states: DCP reshards the folder's into them."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         options = self._options(full=False)
         template: dict[str, Any] = {
             KEY_STATE_DICT: get_model_state_dict(self._lightning_module, options=options)
         }
-        io = self.checkpoint_io.unwrapped
-        if not isinstance(io, DistributedCheckpointIO):
-            io = DistributedCheckpointIO()
         if self.optimizers:
             stored = io.stored_keys(filepath)
             states = []
@@ -305,24 +306,7 @@ class FSDPPlugin(ParallelPlugin):
                 with contextlib.nullcontext() if saved_state else _no_state_initialisation(opt):
                     states.append(get_optimizer_state_dict(self._lightning_module, opt, options=options))
             template[KEY_OPTIMIZER_STATES] = states
-        return io.load_into(filepath, template)
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: str, storage_options: Optional[Any] = None
-    ) -> None:
-        if self._full:
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-        else:
-            from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
-
-            io = self.checkpoint_io.unwrapped
-            if not isinstance(io, DistributedCheckpointIO):
-                raise MisconfigurationException(
-                    f"FSDPPlugin(state_dict_type='sharded') writes with DistributedCheckpointIO, but the run was given "
-                    f"{type(io).__name__}; drop that CheckpointIO from `plugins=`, or use state_dict_type='full'."
-                )
-            # Every rank writes its own shards.
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        return template
 
 
 def has_meta_tensors(module: nn.Module) -> bool:

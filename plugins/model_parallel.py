@@ -7,8 +7,9 @@ plugin shards the root over the data-parallel dimension. The ranks of one tensor
 read the same batches; the data is split by data-parallel rank only.
 
 With ``pipeline_parallel_size > 1`` the model is also cut into pipeline stages, each of them
-tensor-parallel inside (torchtitan's 3-D layout): the plugin is then a ``PipelinePlugin`` over the
-same mesh (see ``plugins/pipeline.py``), and data-parallel replicas of a stage average gradients.
+tensor-parallel inside (torchtitan's 3-D layout): that is ``PipelineModelParallelPlugin``, a
+``PipelinePlugin`` over the same mesh (``plugins/pipeline/model_parallel.py``), which
+:func:`model_parallel_plugin` and the registry's ``"model_parallel"`` pick for those sizes.
 
 Checkpoints keep the name-keyed format of every plugin: a sharded folder (the default, every rank
 writes its own shards through ``torch.distributed.checkpoint``) or one full file
@@ -23,14 +24,11 @@ from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from torch.optim import Optimizer
-
 from trainer_core.errors import MisconfigurationException
 from trainer_core.plugins.environments import ClusterEnvironment
 from trainer_core.plugins.fsdp import FSDPPlugin
 from trainer_core.plugins.parallel import (
     DEFAULT_TIMEOUT,
-    clip_grads_by_total_norm,
     is_random_sampler,
     with_distributed_sampler,
 )
@@ -42,9 +40,24 @@ if TYPE_CHECKING:
 
     from trainer_core.module import LightningModule
     from trainer_core.plugins.io import CheckpointIO
+    from trainer_core.plugins.parallel import ParallelPlugin
     from trainer_core.trainer import Trainer
 
 Size = Union[int, str]
+
+
+def model_parallel_plugin(pipeline_parallel_size: int = 1, **kwargs: Any) -> ParallelPlugin:
+    """``ModelParallelPlugin``, or ``PipelineModelParallelPlugin`` when ``pipeline_parallel_size > 1``.
+
+    The registry's ``"model_parallel"``: one name for every layout of tensor x data (x pipeline)
+    parallelism, each class with its own real signature.
+    """
+    if isinstance(pipeline_parallel_size, int) and not isinstance(pipeline_parallel_size, bool):
+        if pipeline_parallel_size > 1:
+            from trainer_core.plugins.pipeline import PipelineModelParallelPlugin
+
+            return PipelineModelParallelPlugin(pipeline_parallel_size=pipeline_parallel_size, **kwargs)
+    return ModelParallelPlugin(pipeline_parallel_size=pipeline_parallel_size, **kwargs)
 
 
 def check_sizes(owner: str, dp: Size, tp: Size, pp: int) -> None:
@@ -84,9 +97,9 @@ class ModelParallelPlugin(FSDPPlugin):
             number of nodes, or whatever the other sizes leave.
         tensor_parallel_size: ranks that split each layer; ``"auto"``: the devices of a node (divided by
             the pipeline size), or whatever the other sizes leave.
-        pipeline_parallel_size: pipeline stages; above 1 the plugin is a pipeline whose stages are
-            tensor-parallel inside (``split_points``, ``schedule`` and ``n_microbatches`` as for
-            ``PipelinePlugin``; the module must declare ``pipeline_manual_split = True``).
+        pipeline_parallel_size: pipeline stages: 1 here; above 1 use ``PipelineModelParallelPlugin`` (same
+            arguments; ``split_points``, ``schedule`` and ``n_microbatches`` as for ``PipelinePlugin``), or
+            :func:`model_parallel_plugin`, which picks the class from the sizes.
         save_distributed_checkpoint: ``True`` (default) writes a folder of shards, every rank its own;
             ``False`` one full file, gathered to rank 0.
         mixed_precision: FSDP2's ``MixedPrecisionPolicy`` (parameter and reduction dtypes).
@@ -96,19 +109,6 @@ class ModelParallelPlugin(FSDPPlugin):
     """
 
     name = "model_parallel"
-
-    def __new__(cls, *args: Any, pipeline_parallel_size: int = 1, **kwargs: Any) -> Any:
-        if (
-            cls is ModelParallelPlugin
-            and isinstance(pipeline_parallel_size, int)
-            and pipeline_parallel_size > 1
-        ):
-            from trainer_core.plugins.pipeline import PipelineModelParallelPlugin
-
-            plugin = PipelineModelParallelPlugin.__new__(PipelineModelParallelPlugin, **kwargs)
-            plugin.__init__(*args, pipeline_parallel_size=pipeline_parallel_size, **kwargs)
-            return plugin
-        return super().__new__(cls, *args, pipeline_parallel_size=pipeline_parallel_size, **kwargs)
 
     def __init__(
         self,
@@ -137,12 +137,20 @@ class ModelParallelPlugin(FSDPPlugin):
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
         )
+        check_sizes("ModelParallelPlugin", data_parallel_size, tensor_parallel_size, pipeline_parallel_size)
+        if pipeline_parallel_size > 1:
+            raise MisconfigurationException(
+                f"ModelParallelPlugin(pipeline_parallel_size={pipeline_parallel_size}): pipeline stages that are "
+                "tensor-parallel inside are PipelineModelParallelPlugin, which takes the same arguments: "
+                "`from trainer_core.plugins import PipelineModelParallelPlugin`, or "
+                f"Trainer(plugins='model_parallel', ...) with pipeline_parallel_size={pipeline_parallel_size} in the "
+                "plugin's arguments (the registry picks it)."
+            )
         if split_points:
             raise MisconfigurationException(
                 f"ModelParallelPlugin(split_points={list(split_points)!r}) cuts pipeline stages, which needs "
                 "pipeline_parallel_size > 1."
             )
-        check_sizes("ModelParallelPlugin", data_parallel_size, tensor_parallel_size, pipeline_parallel_size)
         self.data_parallel_size = data_parallel_size
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
@@ -177,10 +185,6 @@ class ModelParallelPlugin(FSDPPlugin):
         return self.parallel_dims.sharding_mesh()
 
     @property
-    def _coordinates(self) -> dict[str, int]:
-        return self.parallel_dims.coordinates(self.global_rank)
-
-    @property
     def metrics_group(self) -> Optional[Any]:
         """The data-parallel ranks: tensor-parallel ranks share a batch, so they count once."""
         if self.world_size == 1:
@@ -197,36 +201,17 @@ class ModelParallelPlugin(FSDPPlugin):
         super().setup(trainer)
 
     # ------------------------------------------------------------------ data
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dims = self.parallel_dims
-        return {"num_replicas": dims.dp, "rank": self._coordinates[DATA]}
-
     def process_dataloader(self, dataloader: Any, kind: str, use_distributed_sampler: bool) -> Any:
         """Each data-parallel rank its own part; the ranks of a tensor-parallel group the same batches, in the same order."""
         from torch.utils.data import DataLoader
 
         if not use_distributed_sampler or self.world_size == 1 or not isinstance(dataloader, DataLoader):
             return dataloader
-        dims = self.parallel_dims
+        split = self.distributed_sampler_kwargs
         # A shuffled order must come from a seed shared by the group, not from each rank's own RNG.
-        if dims.dp > 1 or is_random_sampler(dataloader.sampler):
-            return with_distributed_sampler(dataloader, kind, dims.dp, self._coordinates[DATA])
+        if split["num_replicas"] > 1 or is_random_sampler(dataloader.sampler):
+            return with_distributed_sampler(dataloader, kind, **split)
         return dataloader
-
-    # ------------------------------------------------------------------ steps
-    def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
-        """By norm: the norm of the whole model, over every tensor-parallel and data-parallel shard."""
-        self.precision.unscale_gradients(optimizer)
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if algorithm == "norm":
-            clip_grads_by_total_norm(grads, clip_val)
-            return
-        from torch.distributed.tensor import DTensor
-
-        for grad in grads:
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            local.detach().clamp_(-clip_val, clip_val)
 
 
 @contextlib.contextmanager

@@ -26,12 +26,16 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Samp
 from trainer_core.errors import MisconfigurationException
 from trainer_core.plugins.base import TrainingTypePlugin
 from trainer_core.plugins.environments import ClusterEnvironment, detect_environment
+
+# Kept importable from here (job scripts measure norms with it); it lives with the clipping rule.
+from trainer_core.plugins.grad_norm import total_grad_norm as total_grad_norm
 from trainer_core.plugins.launchers import ScriptLauncher, SpawnLauncher
 from trainer_core.plugins.parallel_dims import DATA, ParallelDims
 from trainer_core.utilities import rank_zero_warn
 
 if TYPE_CHECKING:
     from trainer_core.plugins.io import CheckpointIO
+    from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
     from trainer_core.trainer import Trainer
 
 #: How long a rank waits in a collective for the others before giving up with an error.
@@ -211,7 +215,8 @@ class ParallelPlugin(TrainingTypePlugin):
     # ------------------------------------------------------------------ data
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        """The data-parallel share of this rank, as ``ParallelDims`` places it in the layout."""
+        return self.parallel_dims.distributed_sampler_kwargs(self.global_rank)
 
     def process_dataloader(self, dataloader: Any, kind: str, use_distributed_sampler: bool) -> Any:
         # At world size 1 too, as Lightning: the sampler's order (seed + epoch) is the one of every world
@@ -219,7 +224,7 @@ class ParallelPlugin(TrainingTypePlugin):
         # after exactly the samples the checkpoint had seen; a RandomSampler would draw another order.
         if not use_distributed_sampler or not isinstance(dataloader, DataLoader):
             return dataloader
-        return with_distributed_sampler(dataloader, kind, self.world_size, self.global_rank)
+        return with_distributed_sampler(dataloader, kind, **self.distributed_sampler_kwargs)
 
     # ------------------------------------------------------------------ collectives
     def barrier(self, name: Optional[str] = None) -> None:
@@ -287,19 +292,76 @@ class ParallelPlugin(TrainingTypePlugin):
         return bool(flag.item() == self.world_size) if all else bool(flag.item() > 0)
 
     # ------------------------------------------------------------------ checkpoint files
+    @property
+    def _writes_sharded_checkpoints(self) -> bool:
+        """Whether a checkpoint is a folder every rank writes its own shards into (``DistributedCheckpointIO``).
+
+        ``False`` here: every rank holds the whole state and global rank 0 writes one file. Plugins
+        that shard the state say when they write shards instead.
+        """
+        return False
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str, storage_options: Optional[Any] = None
+    ) -> None:
+        """The one rule for every plugin: a folder of shards written by every rank, or one file by global rank 0."""
+        if not self._writes_sharded_checkpoints:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
+
+        io = self.checkpoint_io.unwrapped
+        if not isinstance(io, DistributedCheckpointIO):
+            raise MisconfigurationException(
+                f"{type(self).__name__} writes sharded checkpoints with DistributedCheckpointIO, but the run was "
+                f"given {type(io).__name__}; drop that CheckpointIO from `plugins=`, or write full checkpoints "
+                "(FSDPPlugin(state_dict_type='full'), ModelParallelPlugin(save_distributed_checkpoint=False))."
+            )
+        # A collective: every rank writes its own shards.
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _sharded_state_template(self, io: DistributedCheckpointIO, filepath: str) -> dict[str, Any]:
+        """This rank's own tensors and optimizer states, for ``io`` (DCP) to fill from the sharded folder ``filepath``.
+
+        Asked of plugins whose state loads only into the shards ``setup`` makes
+        (``restore_checkpoint_after_setup``); the keys are the checkpoint's, the tensors this rank's.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define `_sharded_state_template`.")
+
+    def _load_sharded(self, filepath: str) -> dict[str, Any]:
+        """The sharded folder ``filepath`` read straight into this rank's shards (resharded by DCP)."""
+        from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
+
+        io = self.checkpoint_io.unwrapped
+        if not isinstance(io, DistributedCheckpointIO):
+            io = DistributedCheckpointIO()
+        return io.load_into(filepath, self._sharded_state_template(io, filepath))
+
     def load_checkpoint(self, filepath: str) -> dict[str, Any]:
-        """A file on an object store is downloaded once per node and mapped by every rank there.
+        """A sharded folder loads into this rank's shards where the plugin holds shards; a file whole.
+
+        A file on an object store is downloaded once per node and mapped by every rank there
+        (:meth:`_load_downloaded_once_per_node`); local files, folders and one-process runs load whole.
+        """
+        if self.restore_checkpoint_after_setup and dist.is_initialized():
+            from trainer_core.plugins.io.readers import is_sharded_checkpoint
+
+            if is_sharded_checkpoint(filepath):
+                return self._load_sharded(filepath)
+        shared = self._shared_download(filepath)
+        if shared is None:
+            return super().load_checkpoint(filepath)
+        return self._load_downloaded_once_per_node(filepath, *shared)
+
+    def _load_downloaded_once_per_node(self, filepath: str, fs: Any, fs_path: str) -> dict[str, Any]:
+        """The object-store file ``filepath``, downloaded by the node's local rank 0 and loaded by every rank.
 
         Each rank reading the store itself would fetch the file once per rank and hold as many
         copies in the node's memory; instead the node's local rank 0 downloads it to a local
         temporary file, every rank of the node loads that file (mapped: its pages sit once in the
         page cache, and each rank copies out only what it keeps), and the file is removed once all
-        have loaded. Local files, folders and one-process runs load as before.
+        have loaded.
         """
-        shared = self._shared_download(filepath)
-        if shared is None:
-            return super().load_checkpoint(filepath)
-        fs, fs_path = shared
         from trainer_core.errors import CheckpointError
         from trainer_core.plugins.io.object_store import download_to_local
         from trainer_core.plugins.io.torch_io import prefetched
@@ -645,67 +707,3 @@ def is_random_sampler(sampler: Any) -> bool:
 def _is_stateful_loader(loader: Any) -> bool:
     cls = type(loader)
     return cls.__name__ == "StatefulDataLoader" and cls.__module__.startswith("torchdata.")
-
-
-def total_grad_norm(grads: list[Tensor], norm_type: float = 2.0, extra_group: Optional[Any] = None) -> Tensor:
-    """The norm of all ``grads`` together, as one process holding every full gradient would compute it.
-
-    A ``DTensor`` gradient contributes its local shard, summed over the mesh dimensions it is sharded
-    along (tensor parallel, FSDP) and counted once along those it is replicated on; gradients on
-    different meshes (a layer outside the tensor-parallel plan) mix freely. ``extra_group`` adds the
-    ranks that hold other parameters altogether (the stages of a pipeline). Every rank of a group
-    must pass its gradients in the same order, which holds for ranks that hold the same parameters.
-    """
-    from torch.distributed.tensor import DTensor
-
-    norm_type = float(norm_type)
-    infinite = norm_type == float("inf")
-    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-    device = grads[0].device if grads else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    # One running value per (mesh, sharded dimensions): reduced together, once each.
-    pending: dict[tuple[int, tuple[int, ...]], tuple[Any, tuple[int, ...], Tensor]] = {}
-    for grad in grads:
-        mesh: Any = None
-        dims: tuple[int, ...] = ()
-        if isinstance(grad, DTensor):
-            if any(p.is_partial() for p in grad.placements):
-                grad = grad.full_tensor()
-            else:
-                mesh = grad.device_mesh
-                # Any placement but Replicate splits the tensor over that dimension (Shard, and the
-                # _StridedShard of FSDP over tensor parallelism, which is not is_shard()).
-                dims = tuple(i for i, p in enumerate(grad.placements) if not p.is_replicate())
-                grad = grad.to_local()
-        local = grad.detach().float()
-        value = local.abs().max() if infinite and local.numel() else local.abs().pow(norm_type).sum()
-        if not dims:
-            total = torch.maximum(total, value) if infinite else total + value
-            continue
-        key = (id(mesh), dims)
-        if key in pending:
-            held = pending[key][2]
-            value = torch.maximum(held, value) if infinite else held + value
-        pending[key] = (mesh, dims, value)
-    for mesh, dims, value in pending.values():
-        for dim in dims:
-            if mesh.size(dim) > 1:
-                dist.all_reduce(value, op=op, group=mesh.get_group(dim))
-        total = torch.maximum(total, value) if infinite else total + value
-    if extra_group is not None and dist.get_world_size(extra_group) > 1:
-        dist.all_reduce(total, op=op, group=extra_group)
-    return total if infinite else total.pow(1.0 / norm_type)
-
-
-def clip_grads_by_total_norm(
-    grads: list[Tensor], max_norm: float, norm_type: float = 2.0, extra_group: Optional[Any] = None
-) -> Tensor:
-    """Scale ``grads`` in place so that their total norm (:func:`total_grad_norm`) is at most ``max_norm``."""
-    from torch.distributed.tensor import DTensor
-
-    total = total_grad_norm(grads, norm_type, extra_group)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grad in grads:
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        local.detach().mul_(coef.to(local.dtype))
-    return total

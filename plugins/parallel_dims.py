@@ -90,13 +90,24 @@ class ParallelDims:
         """All data-parallel ranks: replicas x shards (ranks that see different batches)."""
         return self.dp_replicate * self.dp_shard
 
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel rank of global ``rank``: which share of the data its batches are."""
+        return (rank // self.tp) % self.dp
+
     def coordinates(self, rank: int) -> dict[str, int]:
         """Where global ``rank`` sits: its pipeline, data-parallel and tensor-parallel rank."""
         return {
             PIPELINE: rank // (self.dp * self.tp),
-            DATA: (rank // self.tp) % self.dp,
+            DATA: self.dp_rank(rank),
             TENSOR: rank % self.tp,
         }
+
+    def distributed_sampler_kwargs(self, rank: int) -> dict[str, int]:
+        """``num_replicas``/``rank`` of global ``rank``'s ``DistributedSampler``: the data splits by data-parallel rank only.
+
+        The ranks of a tensor-parallel group (and the stages of a pipeline) read the same batches.
+        """
+        return {"num_replicas": self.dp, "rank": self.dp_rank(rank)}
 
     @property
     def dim_names(self) -> tuple[str, ...]:

@@ -73,9 +73,10 @@ def _pipeline(**kwargs: Any) -> TrainingTypePlugin:
 
 
 def _model_parallel(**kwargs: Any) -> TrainingTypePlugin:
-    from trainer_core.plugins.model_parallel import ModelParallelPlugin
+    # pipeline_parallel_size > 1 picks PipelineModelParallelPlugin: one name for every layout.
+    from trainer_core.plugins.model_parallel import model_parallel_plugin
 
-    return ModelParallelPlugin(**kwargs)
+    return model_parallel_plugin(**kwargs)
 
 
 _register_builtins()

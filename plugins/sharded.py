@@ -8,14 +8,22 @@ it to rank 0 when a checkpoint is written.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional
 
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainer_core.imports import require_fairscale
 from trainer_core.plugins.base import optimizer_defaults, wrapper_keywords
 from trainer_core.plugins.ddp import DDPPlugin, _StepRouter
+from trainer_core.plugins.parallel import DEFAULT_TIMEOUT
+
+if TYPE_CHECKING:
+    from trainer_core.plugins.environments import ClusterEnvironment
+    from trainer_core.plugins.io import CheckpointIO
 
 
 class DDPShardedPlugin(DDPPlugin):
@@ -26,10 +34,22 @@ class DDPShardedPlugin(DDPPlugin):
     """
 
     name = "ddp_sharded"
+    # Each gradient is reduced to the rank that owns it: only that rank can see its inf.
+    holds_partial_gradients = True
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        start_method: str = "popen",
+        process_group_backend: Optional[str] = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        **sharded_kwargs: Any,
+    ) -> None:
         require_fairscale("DDPShardedPlugin")
-        super().__init__(*args, **kwargs)
+        super().__init__(
+            start_method, process_group_backend, timeout, cluster_environment, checkpoint_io, **sharded_kwargs
+        )
 
     @classmethod
     def _wrapper_arguments(cls) -> tuple[str, list[str]]:
@@ -66,10 +86,6 @@ class DDPShardedPlugin(DDPPlugin):
         kwargs = {"reduce_buffer_size": 0, **self._ddp_kwargs}
         return ShardedDataParallel(_StepRouter(module), sharded_optimizer=self.optimizers, **kwargs)
 
-    def grad_scaler(self) -> Any:
-        # Each gradient is reduced to the rank that owns it: only that rank can see its inf.
-        return self.sharded_grad_scaler()
-
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         from fairscale.nn.data_parallel import ShardedDataParallel
 
@@ -78,21 +94,23 @@ class DDPShardedPlugin(DDPPlugin):
             return model("training_step", *args, **kwargs)
         return super().training_step(*args, **kwargs)
 
-    def no_backward_sync(self) -> Any:
+    def _gradient_sync_pause(self) -> Optional[contextlib.AbstractContextManager]:
         from fairscale.nn.data_parallel import ShardedDataParallel
 
         model = self._model
         if isinstance(model, ShardedDataParallel):
             return model.no_sync()
-        return super().no_backward_sync()
+        return super()._gradient_sync_pause()
 
-    def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
-        """The norm is global: ``OSS.clip_grad_norm`` adds up every rank's shard of it."""
-        if algorithm == "norm" and hasattr(optimizer, "clip_grad_norm"):
-            self.precision.unscale_gradients(optimizer)
-            optimizer.clip_grad_norm(clip_val)
-            return
-        super().clip_gradients(optimizer, clip_val, algorithm)
+    def _grad_norm_parts(self, optimizer: Optimizer) -> tuple[list[Tensor], Optional[Any]]:
+        """The gradients of the partition this rank owns; every rank owns another (OSS's rule for the norm).
+
+        ShardedDataParallel reduces each gradient to its owner only: the other ranks' copies are stale.
+        """
+        owned = getattr(optimizer, "_local_params", None)
+        if owned is None or not dist.is_initialized() or self.world_size == 1:
+            return super()._grad_norm_parts(optimizer)
+        return [p.grad for p in owned if p.grad is not None], dist.group.WORLD
 
 
 def _zero_grads_in_place(optimizer: Optimizer) -> None:

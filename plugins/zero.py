@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from trainer_core.plugins.base import optimizer_defaults
 from trainer_core.plugins.ddp import DDPPlugin
+from trainer_core.plugins.parallel import DEFAULT_TIMEOUT
+
+if TYPE_CHECKING:
+    from trainer_core.plugins.environments import ClusterEnvironment
+    from trainer_core.plugins.io import CheckpointIO
 
 
 class ZeroPlugin(DDPPlugin):
@@ -19,8 +25,19 @@ class ZeroPlugin(DDPPlugin):
 
     name = "zero"
 
-    def __init__(self, *args: Any, parameters_as_bucket_view: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        start_method: str = "popen",
+        process_group_backend: Optional[str] = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        parameters_as_bucket_view: bool = False,
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__(
+            start_method, process_group_backend, timeout, cluster_environment, checkpoint_io, **ddp_kwargs
+        )
         self.parameters_as_bucket_view = parameters_as_bucket_view
 
     def wrap_optimizer(self, optimizer: Optimizer) -> Optimizer:

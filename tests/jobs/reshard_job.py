@@ -137,7 +137,7 @@ def dataset() -> TensorDataset:
 
 def plugin(layout: str, fmt: str) -> Any:
     """The plugin of ``layout`` writing checkpoints in ``fmt`` (``None``: one process, no plugin)."""
-    from trainer_core.plugins import FSDPPlugin, ModelParallelPlugin
+    from trainer_core.plugins import FSDPPlugin, ModelParallelPlugin, PipelineModelParallelPlugin
 
     sharded = fmt == "sharded"
     pipeline = {"split_points": ["layers.2"], "n_microbatches": N_MICROBATCHES}
@@ -156,7 +156,7 @@ def plugin(layout: str, fmt: str) -> Any:
             data_parallel_size=2, tensor_parallel_size=2, save_distributed_checkpoint=sharded
         )
     if layout == "pp2":
-        return ModelParallelPlugin(
+        return PipelineModelParallelPlugin(
             pipeline_parallel_size=2,
             tensor_parallel_size=1,
             data_parallel_size=1,
@@ -164,7 +164,7 @@ def plugin(layout: str, fmt: str) -> Any:
             **pipeline,
         )
     if layout == "pp2tp2":
-        return ModelParallelPlugin(
+        return PipelineModelParallelPlugin(
             pipeline_parallel_size=2,
             tensor_parallel_size=2,
             data_parallel_size=1,
