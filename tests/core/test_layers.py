@@ -294,3 +294,24 @@ def test_checkpoint_code_takes_no_trainer_argument() -> None:
         if arg.arg in TRAINER_NAMES
     ]
     assert not found, "checkpoint functions that take a Trainer:\n" + "\n".join(found)
+
+
+# Names under which a plugin would compute a data-parallel rank or the sampler's split itself.
+DP_RANK_NAMES = {"dp_rank", "data_parallel_rank", "dp_size"}
+
+
+def test_plugins_compute_no_data_parallel_rank_outside_parallel_dims() -> None:
+    """``ParallelDims`` is the one answer to "which data-parallel rank, of how many": plugins ask it."""
+    assert "def dp_rank" in (PLUGINS / "parallel_dims.py").read_text()  # the rule's one home exists
+    found = []
+    for path in _sources(PLUGINS):
+        if path.name == "parallel_dims.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in DP_RANK_NAMES:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: defines {node.name}")
+            elif isinstance(node, ast.Dict) and any(
+                isinstance(key, ast.Constant) and key.value == "num_replicas" for key in node.keys
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: builds the sampler's split")
+    assert not found, "data-parallel rank computed outside ParallelDims:\n" + "\n".join(found)
