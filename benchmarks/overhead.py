@@ -81,7 +81,9 @@ class Mode:
     logger: bool
     log_loss: bool
     profiler: str | None = None  # Trainer(profiler=...); the plain loop ignores it
-    callbacks: tuple[str, ...] = ()  # trainer-core's own callbacks, by class name; Lightning sits the mode out
+    callbacks: tuple[
+        str, ...
+    ] = ()  # trainer-core's own callbacks, by class name; Lightning sits the mode out
 
 
 JOBS = {
@@ -93,7 +95,9 @@ MODES = {
     "bar": Mode("bar", progress_bar=True, logger=False, log_loss=False),
     "log": Mode("log", progress_bar=False, logger=True, log_loss=True),
     "simple": Mode("simple", progress_bar=False, logger=False, log_loss=False, profiler="simple"),
-    "watchdog": Mode("watchdog", progress_bar=False, logger=False, log_loss=False, callbacks=("HangWatchdog",)),
+    "watchdog": Mode(
+        "watchdog", progress_bar=False, logger=False, log_loss=False, callbacks=("HangWatchdog",)
+    ),
     "stragglers": Mode(
         "stragglers", progress_bar=False, logger=False, log_loss=False, callbacks=("StragglerMonitor",)
     ),
