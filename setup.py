@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 _ROOT = Path(__file__).parent
 _VERSION = re.search(r'__version__ = "([^"]+)"', (_ROOT / "trainer_core" / "__about__.py").read_text()).group(
@@ -87,6 +87,20 @@ _EXTRAS = {
     ],
 }
 
+
+def _packages() -> list[str]:
+    """``trainer_core`` and its subpackages, with ``plugins/`` and ``callbacks/`` under their import names."""
+    found = []
+    for name, folder in (
+        ("trainer_core", "trainer_core"),
+        ("trainer_core.plugins", "plugins"),
+        ("trainer_core.callbacks", "callbacks"),
+    ):
+        found.append(name)
+        found += [f"{name}.{sub}" for sub in find_packages(str(_ROOT / folder))]
+    return sorted(set(found))
+
+
 setup(
     name="trainer-core",
     version=_VERSION,
@@ -94,16 +108,9 @@ setup(
     long_description=(_ROOT / "README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=[
-        "trainer_core",
-        "trainer_core.checkpoint",
-        "trainer_core.core",
-        "trainer_core.utilities",
-        "trainer_core.loggers",
-        "trainer_core.plugins",
-        "trainer_core.plugins.io",
-        "trainer_core.callbacks",
-    ],
+    # Every package below the three source folders (a subpackage left out of this list is missing from
+    # a wheel even though an editable install finds it).
+    packages=_packages(),
     package_dir={
         "trainer_core": "trainer_core",
         "trainer_core.plugins": "plugins",
