@@ -130,6 +130,10 @@ def test_a_killed_or_hung_rank_ends_the_run_with_a_clear_error(
     deadline = time.monotonic() + 10
     while not all(_pid_gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
+    if not (tmp_path / "fault.time").exists():
+        pytest.fail(
+            f"the job ended before its fault at step {FAULT_STEP} (rc {proc.returncode}):\n{output[-6000:]}"
+        )
     ended = time.time() - float((tmp_path / "fault.time").read_text())
     alive = [p for p in pids if not _pid_gone(p)]
     for pid in alive:  # leave nothing behind, even when the assertions below fail
