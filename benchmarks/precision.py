@@ -43,8 +43,8 @@ bf16 as in fp32. ``own ms`` is that difference in time: (Trainer - plain) in the
 (Trainer - plain) in fp32, per repeat, median. The weights after the last step are compared as
 well (the same arithmetic: they agree to float rounding). A step of milliseconds cannot resolve a
 microsecond, so the ``single`` job also times, per repeat, what the plugin does per step on its
-own (7 interleaved rounds): entering and leaving ``Precision("bf16-mixed").forward_context()``
-against the plain loop's ``torch.autocast``, and ``Precision("16-mixed").optimizer_step`` against
+own (7 interleaved rounds): entering and leaving ``MixedPrecision("bf16-mixed").forward_context()``
+against the plain loop's ``torch.autocast``, and ``MixedPrecision("16-mixed").optimizer_step`` against
 the plain ``scaler.step(); scaler.update()``.
 
 A case that raises (a precision a plugin refuses) or makes no progress for ``--run-timeout``
@@ -328,14 +328,14 @@ def _run_micro(spec: dict[str, Any]) -> dict[str, Any]:
     once and entered every step (what building the context once per epoch would cost).
     ``scaler`` / ``scaler_plugin``: a 16-mixed update of a one-layer model whose gradients are
     already there (the closure returns the loss at once): torch's ``GradScaler`` ``step`` and
-    ``update``, against ``Precision("16-mixed").optimizer_step`` (closure, unscale, step, update).
+    ``update``, against ``MixedPrecision("16-mixed").optimizer_step`` (closure, unscale, step, update).
     """
     import torch
 
-    from trainer_core.precision import Precision
+    from trainer_core.precision import MixedPrecision
 
     calls = spec["micro_calls"]
-    bf16 = Precision("bf16-mixed", "cpu")
+    bf16 = MixedPrecision("bf16-mixed", "cpu")
     reused = torch.autocast("cpu", dtype=torch.bfloat16)
 
     def empty(n: int) -> None:
@@ -372,7 +372,7 @@ def _run_micro(spec: dict[str, Any]) -> dict[str, Any]:
 
     loss = torch.zeros(())
     plain_scaler, plain_optimizer = make_scaler(), make_optimizer()
-    fp16, plugin_optimizer = Precision("16-mixed", "cpu"), make_optimizer()
+    fp16, plugin_optimizer = MixedPrecision("16-mixed", "cpu"), make_optimizer()
     fp16.scaler = None
     fp16.setup(make_scaler)  # what the plugin does once its processes exist
     for s in (plain_scaler, fp16.scaler):
@@ -891,7 +891,7 @@ def _render_micro(micro: Optional[dict[str, Any]], summary: dict[str, Any]) -> l
         "forward_context": "Trainer: `if needs_context: with precision.forward_context()` (bf16-mixed)",
         "autocast_reused": "for reference: one `torch.autocast` built once, entered every step",
         "scaler": "plain: `scaler.step(opt); scaler.update()` (16-mixed, one Linear(16, 16))",
-        "scaler_plugin": "Trainer: `Precision('16-mixed').optimizer_step(opt, closure)`",
+        "scaler_plugin": "Trainer: `MixedPrecision('16-mixed').optimizer_step(opt, closure)`",
     }
     out = [
         "",

@@ -22,6 +22,7 @@ from trainer_core.plugins.io import (
 )
 from trainer_core.plugins.registry import available_plugins, plugin_from_name, register_plugin
 from trainer_core.plugins.single_device import SingleDevicePlugin
+from trainer_core.precision import Precision
 
 __all__ = [
     "AsyncCheckpointIO",
@@ -38,6 +39,7 @@ __all__ = [
     "ParallelPlugin",
     "PipelineModelParallelPlugin",
     "PipelinePlugin",
+    "Precision",
     "SLURMEnvironment",
     "SingleDevicePlugin",
     "TorchCheckpointIO",

@@ -7,6 +7,7 @@ from trainer_core.__about__ import __version__
 from trainer_core.datamodule import LightningDataModule
 from trainer_core.module import LightningModule
 from trainer_core.optim import get_lr
+from trainer_core.precision import Precision
 from trainer_core.seed import seed_everything
 from trainer_core.trainer import Trainer
 from trainer_core.utilities import cli_lightning_logo
@@ -33,6 +34,7 @@ __all__ = [
     "Callback",
     "LightningDataModule",
     "LightningModule",
+    "Precision",
     "Trainer",
     "__version__",
     "cli_lightning_logo",

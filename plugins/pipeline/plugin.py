@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from trainer_core.module import LightningModule
     from trainer_core.plugins.environments import ClusterEnvironment
     from trainer_core.plugins.io import CheckpointIO
+    from trainer_core.precision import Precision
     from trainer_core.trainer import Trainer
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
@@ -229,6 +230,7 @@ class PipelinePlugin(StageState, ParallelPlugin):
     def connect(self, module: LightningModule) -> None:
         # Checked before any process starts: a wrong split point fails in the user's own process.
         _check_pipelined_module(module)
+        _check_precision(self.precision)
         if declares_manual_split(module):
             plan_stages(module, self.split_points)
         else:
@@ -521,3 +523,14 @@ class PipelinePlugin(StageState, ParallelPlugin):
         """
         grads, _ = super()._grad_norm_parts(optimizer)
         return grads, self._pp_group if self.pp_degree > 1 else None
+
+
+def _check_precision(precision: Precision) -> None:
+    """Refuse a precision whose backward the schedule would bypass (it runs each micro-batch's backward itself)."""
+    if precision.custom_backward:
+        name = type(precision).__name__
+        raise MisconfigurationException(
+            f"PipelinePlugin runs each micro-batch's backward inside its schedule, so {name}'s pre_backward, "
+            f"backward and post_backward would never run. Move that work into {name}.optimizer_step or the "
+            "module's loss_fn, or use a plugin that calls the precision's backward (DDPPlugin, FSDPPlugin)."
+        )

@@ -132,7 +132,7 @@ def _run(steps: int = 3, width: int = 3) -> tuple[CheckpointParts, list[str], li
     module = TinyModel(width)
     plugin = SingleDevicePlugin("cpu")
     plugin.connect(module)
-    plugin.precision = Precision("32-true", "cpu")
+    plugin.precision = Precision()
     optimizer = torch.optim.Adam(module.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     plugin.optimizers = [optimizer]

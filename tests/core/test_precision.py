@@ -22,7 +22,7 @@ import trainer_core
 from trainer_core import Trainer
 from trainer_core.callbacks import Callback, ModelCheckpoint
 from trainer_core.errors import MisconfigurationException
-from trainer_core.precision import Precision
+from trainer_core.precision import HalfPrecision, MixedPrecision, precision_from
 
 STEPS = 6
 INF_STEP = 2
@@ -146,7 +146,7 @@ def test_each_precision_trains_in_its_dtypes(
 
 
 def test_true_precisions_leave_integer_inputs_alone() -> None:
-    precision = Precision("bf16-true")
+    precision = HalfPrecision("bf16-true")
     batch = {
         "x": torch.ones(2, dtype=torch.float32),
         "ids": torch.arange(2),
@@ -155,7 +155,40 @@ def test_true_precisions_leave_integer_inputs_alone() -> None:
     converted = precision.convert_input(batch)
     assert converted["x"].dtype == torch.bfloat16
     assert converted["ids"].dtype == torch.int64 and converted["mask"].dtype == torch.bool
-    assert Precision("bf16-mixed").convert_input(batch) is batch
+    assert MixedPrecision("bf16-mixed").convert_input(batch) is batch
+
+
+def test_the_loop_asks_each_precision_once_what_it_does_per_step() -> None:
+    """The default does nothing per step; the built-ins keep the loop's plain backward and step unless they scale."""
+
+    class UserMixed(MixedPrecision):
+        def pre_backward(self, tensor: torch.Tensor, module: nn.Module) -> torch.Tensor:
+            return tensor
+
+    asked = {
+        name: (
+            p.forward_context_needed,
+            p.input_conversion_needed,
+            p.scales_loss or p.custom_backward,
+            p.scales_loss or p.custom_optimizer_step,
+        )
+        for name, p in {
+            "32-true": precision_from("32-true"),
+            "64-true": precision_from(64),
+            "bf16-true": precision_from("bf16-true"),
+            "bf16-mixed": precision_from("bf16"),
+            "16-mixed": precision_from(16),
+            "user": UserMixed("bf16-mixed"),
+        }.items()
+    }
+    assert asked == {
+        "32-true": (False, False, False, False),
+        "64-true": (True, True, False, False),
+        "bf16-true": (True, True, False, False),
+        "bf16-mixed": (True, False, False, False),
+        "16-mixed": (True, False, True, True),
+        "user": (True, False, True, False),
+    }
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
@@ -298,8 +331,8 @@ def test_a_device_without_bfloat16_is_refused(monkeypatch: pytest.MonkeyPatch) -
         with pytest.raises(
             MisconfigurationException, match=r"Tesla V100 does not compute in bfloat16.*16-mixed"
         ):
-            Precision(name, "cuda").check_device(torch.device("cuda", 0))
-    Precision("16-mixed", "cuda").check_device(torch.device("cuda", 0))  # float16 is fine there
+            precision_from(name, "cuda").check_device(torch.device("cuda", 0))
+    MixedPrecision("16-mixed", "cuda").check_device(torch.device("cuda", 0))  # float16 is fine there
 
 
 def test_a_device_that_cannot_autocast_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -136,11 +136,11 @@ def batch_mover(trainer: RunState) -> Optional[Callable[[Any, int], Any]]:
     """How a batch reaches the device: the user's hooks, the plugin, or (on the CPU) not at all.
 
     Under ``"bf16-true"``, ``"16-true"`` and ``"64-true"`` its floating tensors are first converted to the
-    weights' dtype (before ``on_before_batch_transfer``, as in Lightning).
+    weights' dtype (before ``on_before_batch_transfer``, as in Lightning): the precision's ``convert_input``.
     """
     move = _device_mover(trainer)
     precision = trainer.plugin.precision
-    if precision.input_dtype is None:
+    if not precision.input_conversion_needed:
         return move
     convert = precision.convert_input
     if move is None:

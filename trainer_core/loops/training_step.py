@@ -109,6 +109,7 @@ class TrainingStep:
         self.plain_backward = (
             type(plugin).backward is TrainingTypePlugin.backward
             and not precision.scales_loss
+            and not precision.custom_backward
             and not hooks.on_before_backward
             and not hooks.on_after_backward
             and not is_overridden("backward", module, LightningModule)
@@ -120,6 +121,7 @@ class TrainingStep:
             not hooks.optimizer_step
             and type(plugin).optimizer_step is TrainingTypePlugin.optimizer_step
             and not precision.scales_loss
+            and not precision.custom_optimizer_step
             and type(optimizer).__module__.startswith("torch.optim.")
             and not isinstance(optimizer, torch.optim.LBFGS)
         )
