@@ -1,12 +1,15 @@
-"""Where a process learns its rank: torchrun/TorchElastic, SLURM, or a local launch of our own.
+"""Where a process learns its rank: torchrun/TorchElastic, SLURM, a local launch of our own, or the user's own.
 
-An environment only *reads* ranks and the rendezvous address; it never starts processes. The
-first one whose ``detect()`` holds is used, in the order torchrun, SLURM, local.
+An environment only *reads* ranks and the rendezvous address; it never starts processes. When the
+Trainer is given none, :func:`detect_environment` picks one: an environment class the user defined
+whose ``detect()`` holds, else torchrun, SLURM, local, in that order.
 """
 
 from __future__ import annotations
 
+import abc
 import hashlib
+import inspect
 import logging
 import os
 import random
@@ -16,7 +19,7 @@ import socket
 import time
 import uuid
 from datetime import timedelta
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -46,42 +49,125 @@ def find_free_port() -> int:
         return s.getsockname()[1]
 
 
-class ClusterEnvironment:
-    """The ranks and rendezvous of this process."""
+#: What each abstract member answers, for the error a subclass that lacks one gets.
+_ABSTRACT_MEMBERS = {
+    "creates_processes_externally": "True when something else (a scheduler, torchrun) started every process, "
+    "False to have trainer-core start the local ranks",
+    "detect": "a staticmethod, True when this process runs under your scheduler (read its environment variables)",
+    "world_size": "the number of processes over all nodes",
+    "global_rank": "this process's rank among all processes",
+    "local_rank": "this process's rank on its node",
+    "node_rank": "the rank of this process's node",
+}
 
-    #: Whether something outside trainer-core (torchrun, srun) started every process already.
-    creates_processes_externally: bool = False
+
+class ClusterEnvironment(abc.ABC):
+    """The ranks and rendezvous of this process: the contract of an environment the user writes.
+
+    A subclass must implement ``creates_processes_externally``, ``detect``, ``world_size``,
+    ``global_rank``, ``local_rank`` and ``node_rank``; one that lacks any cannot be instantiated, and
+    the ``TypeError`` names what is missing (a default ``creates_processes_externally = False`` let a
+    class that forgot it start copies of the script without end). It may override ``main_address``, ``main_port``, ``validate`` and
+    ``process_group_store``. ``set_world_size``/``set_global_rank`` are Lightning's: they do nothing
+    here, so a Lightning environment class ports unchanged.
+
+    Every process builds its own instance: one passed in ``Trainer(plugins=[MyEnv()])`` is built by the
+    script in each rank, one found by :func:`detect_environment` is built with no arguments. Members
+    are read when the Trainer is built and when a run sets up its processes, never per step.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> ClusterEnvironment:
+        missing = sorted(getattr(cls, "__abstractmethods__", ()))
+        if missing:
+            needed = "; ".join(
+                f"`{name}` ({_ABSTRACT_MEMBERS.get(name, 'see ClusterEnvironment')})" for name in missing
+            )
+            raise TypeError(
+                f"Can't instantiate abstract class {cls.__name__}: it does not implement {', '.join(missing)}. "
+                f"Every ClusterEnvironment defines {needed}."
+            )
+        return super().__new__(cls)
+
+    @property
+    @abc.abstractmethod
+    def creates_processes_externally(self) -> bool:
+        """Whether something outside trainer-core (torchrun, srun, your scheduler) started every process.
+
+        ``True``: every rank already runs this script and trainer-core starts none. ``False``: the
+        process the user started is local rank 0 and trainer-core's launcher starts local ranks
+        1..N-1; in those it must then say ``True`` (they have ``TRAINER_CORE_LAUNCHED`` and
+        ``LOCAL_RANK`` in their environment, as :class:`LocalEnvironment` reads). A launcher asked to
+        start processes from a process it started refuses. Read in every process when the Trainer is
+        built and when a run starts; a class attribute (``creates_processes_externally = True``) will do.
+        """
 
     @staticmethod
+    @abc.abstractmethod
     def detect() -> bool:
-        raise NotImplementedError
+        """Whether this process runs under this environment, from its environment variables alone.
+
+        Called with no instance by :func:`detect_environment` in every process when a Trainer is built
+        without an environment; a subclass the user defines whose ``detect()`` returns True is built
+        with no arguments and used. Cheap and free of side effects. Make it depend on a variable that
+        only your scheduler sets: every subclass defined in the interpreter is asked, including those
+        a test suite defined for other tests.
+        """
+
+    @abc.abstractmethod
+    def world_size(self) -> int:
+        """The number of processes over all nodes (``devices * num_nodes`` of the Trainer).
+
+        Read by the plugin in every process: when the Trainer is built (``validate``), to decide whether
+        to start processes, for ``init_process_group`` and the data split.
+        """
+
+    @abc.abstractmethod
+    def global_rank(self) -> int:
+        """This process's rank among all processes, 0 to ``world_size() - 1``; 0 writes checkpoints and logs."""
+
+    @abc.abstractmethod
+    def local_rank(self) -> int:
+        """This process's rank among the processes of its node; it picks the GPU (``cuda:<local_rank>``)."""
+
+    @abc.abstractmethod
+    def node_rank(self) -> int:
+        """The rank of this process's node, 0 to ``num_nodes - 1``."""
 
     @property
     def main_address(self) -> str:
+        """The host of global rank 0 where every process meets: ``$MASTER_ADDR``, else 127.0.0.1.
+
+        Read by every process before ``init_process_group``, and by the launching process before it
+        starts the local ranks (which inherit it as ``MASTER_ADDR``); every process must get the same.
+        """
         return os.environ.get("MASTER_ADDR", "127.0.0.1")
 
     @property
     def main_port(self) -> int:
-        return int(os.environ["MASTER_PORT"])
+        """The port on :attr:`main_address` where every process meets: ``$MASTER_PORT``.
 
-    def world_size(self) -> int:
-        raise NotImplementedError
+        Without ``MASTER_PORT``, an environment whose processes trainer-core starts picks a free port
+        and puts it in this process's environment, which the processes it starts inherit; one whose
+        processes are started elsewhere cannot pick one that every process agrees on, and says so.
+        """
+        if "MASTER_PORT" in os.environ:
+            return int(os.environ["MASTER_PORT"])
+        if not self.creates_processes_externally:
+            os.environ["MASTER_PORT"] = str(find_free_port())
+            return int(os.environ["MASTER_PORT"])
+        from trainer_core.errors import MisconfigurationException
 
-    def global_rank(self) -> int:
-        raise NotImplementedError
-
-    def local_rank(self) -> int:
-        raise NotImplementedError
-
-    def node_rank(self) -> int:
-        raise NotImplementedError
-
-    def process_group_store(self, timeout: timedelta) -> Optional[Store]:
-        """The store the process group meets in; ``None``: torch's own ``env://`` rendezvous."""
-        return None
+        raise MisconfigurationException(
+            f"{type(self).__name__}.main_port: MASTER_PORT is not set in this process; set it to the same port in "
+            "every process, or override `main_port` to return the port your scheduler gives the job."
+        )
 
     def validate(self, num_devices: int, num_nodes: int) -> None:
-        """Fail early when the Trainer's ``devices``/``num_nodes`` disagree with the launcher."""
+        """Fail early when the Trainer's ``devices``/``num_nodes`` disagree with the launcher.
+
+        Called once in every process when the Trainer is built, for an environment whose processes
+        were started elsewhere (``creates_processes_externally``); raise ``MisconfigurationException``.
+        """
         expected = num_devices * num_nodes
         actual = self.world_size()
         if actual != expected:
@@ -91,6 +177,27 @@ class ClusterEnvironment:
                 f"{type(self).__name__} started {actual} processes but Trainer(devices={num_devices}, "
                 f"num_nodes={num_nodes}) expects {expected}; make them agree."
             )
+
+    def process_group_store(self, timeout: timedelta) -> Optional[Store]:
+        """The store the process group meets in; ``None``: torch's own ``env://`` rendezvous.
+
+        Called in every process when a run sets up its processes, just before ``init_process_group``;
+        the ``env://`` rendezvous meets at :attr:`main_address`:``main_port``.
+        """
+        return None
+
+    def set_world_size(self, size: int) -> None:  # noqa: B027 (optional, a no-op by default)
+        """Told the world size the Trainer asked for (``devices * num_nodes``); ignored by default.
+
+        Lightning's hook, so a Lightning environment class ports unchanged: called in every process
+        when the Trainer is built and again when a run sets up its processes.
+        """
+
+    def set_global_rank(self, rank: int) -> None:  # noqa: B027 (optional, a no-op by default)
+        """Told this process's global rank (``node_rank * devices + local_rank``); ignored by default.
+
+        Lightning's hook, called with :meth:`set_world_size`.
+        """
 
 
 class TorchElasticEnvironment(ClusterEnvironment):
@@ -386,8 +493,112 @@ class LocalEnvironment(ClusterEnvironment):
 
 
 def detect_environment(num_devices: int, num_nodes: int) -> ClusterEnvironment:
+    """The environment of a Trainer given none: the user's own if one detects this process, else a built-in.
+
+    Every concrete subclass of :class:`ClusterEnvironment` defined outside trainer-core is asked first
+    (see :func:`installed_environments`), so a site-specific scheduler works by defining (importing) its
+    class; the one whose ``detect()`` returns True is built with no arguments. Then torchrun, SLURM and
+    our own local launch, in that order. Two of the user's classes detecting this process at once is an
+    error naming both.
+    """
+    user = _detected_user_environment()
+    if user is not None:
+        return user
     if TorchElasticEnvironment.detect():
         return TorchElasticEnvironment()
     if SLURMEnvironment.detect():
         return SLURMEnvironment()
     return LocalEnvironment(num_devices, num_nodes)
+
+
+def installed_environments() -> list[type[ClusterEnvironment]]:
+    """The user's environment classes :func:`detect_environment` asks, in a fixed order (module, then name).
+
+    Every subclass, at any depth, that can be instantiated, is defined outside trainer-core, and
+    defines ``detect()`` itself or inherits it from a class outside trainer-core: a subclass of a
+    built-in that keeps the built-in's ``detect()`` is passed explicitly (``plugins=[MySLURM()]``),
+    since a ``LocalEnvironment`` subclass would otherwise be picked in every process.
+    """
+    found: dict[type, None] = {}
+    pending = list(ClusterEnvironment.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        if cls in found:
+            continue
+        found[cls] = None
+        pending.extend(cls.__subclasses__())
+    users = [
+        cls
+        for cls in found
+        if _is_users(cls) and not inspect.isabstract(cls) and _is_users(_detect_owner(cls))
+    ]
+    return sorted(users, key=lambda cls: (cls.__module__, cls.__qualname__))
+
+
+def _is_users(cls: type) -> bool:
+    return not cls.__module__.startswith(("trainer_core", "plugins."))
+
+
+def _detect_owner(cls: type) -> type:
+    """The class in ``cls``'s MRO whose body defines ``detect``."""
+    return next(base for base in cls.__mro__ if "detect" in vars(base))
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _detected_user_environment() -> Optional[ClusterEnvironment]:
+    from trainer_core.errors import MisconfigurationException
+
+    detecting = [cls for cls in installed_environments() if _detects(cls)]
+    if not detecting:
+        return None
+    if len(detecting) > 1:
+        raise MisconfigurationException(
+            f"{len(detecting)} cluster environments detect this process: "
+            f"{' and '.join(_qualified(cls) for cls in detecting)} (their detect() returns True). Make the "
+            "detect() of at most one return True here, or pass the one to use: "
+            f"Trainer(plugins=[{detecting[0].__name__}()])."
+        )
+    cls = detecting[0]
+    try:
+        return cls()
+    except Exception as err:
+        raise MisconfigurationException(
+            f"{_qualified(cls)}.detect() returned True, but {cls.__name__}() failed ({type(err).__name__}: {err}). "
+            "An environment found by detect() is built with no arguments: give every __init__ argument a "
+            f"default, or pass an instance: Trainer(plugins=[{cls.__name__}(...)])."
+        ) from err
+
+
+def _detects(cls: type[ClusterEnvironment]) -> bool:
+    try:
+        return bool(cls.detect())
+    except Exception as err:
+        from trainer_core.errors import MisconfigurationException
+
+        raise MisconfigurationException(
+            f"{_qualified(cls)}.detect() raised {type(err).__name__}: {err}. detect() is asked in every process "
+            "that builds a Trainer without an environment: return False where your scheduler's variables are missing."
+        ) from err
+
+
+def check_environment_argument(owner: str, environment: Any) -> Optional[ClusterEnvironment]:
+    """``environment`` when it is a :class:`ClusterEnvironment` instance (or ``None``); else an error for ``owner``.
+
+    ``owner`` is the constructor the argument was given to, e.g. ``"DDPPlugin"``.
+    """
+    if environment is None or isinstance(environment, ClusterEnvironment):
+        return environment
+    from trainer_core.errors import MisconfigurationException
+
+    if isinstance(environment, type) and issubclass(environment, ClusterEnvironment):
+        raise MisconfigurationException(
+            f"{owner}(cluster_environment={environment.__name__}): pass {environment.__name__}() (an instance), "
+            "not the class."
+        )
+    raise MisconfigurationException(
+        f"{owner}(cluster_environment={environment!r}): a {type(environment).__name__} is not a ClusterEnvironment; "
+        "pass an instance of one (SLURMEnvironment(), TorchElasticEnvironment() or your ClusterEnvironment subclass)."
+    )

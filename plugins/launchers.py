@@ -5,6 +5,10 @@ nothing needs to be picklable and each rank is an ordinary process. ``SpawnLaunc
 ranks with ``torch.multiprocessing`` (``"ddp_spawn"``) and hands rank 0's result and trained
 weights back to the calling process. Both make sure one failing rank ends every rank quickly
 instead of leaving the others blocked in a collective until its timeout.
+
+Every process they start has ``TRAINER_CORE_LAUNCHED`` (the launching process's pid) in its environment,
+and neither starts processes from such a process, whatever its environment says: a rank that
+re-ran the script must never launch again (a copy that launches starts copies without end).
 """
 
 from __future__ import annotations
@@ -29,6 +33,30 @@ if TYPE_CHECKING:
 
 _POLL_SECONDS = 0.5
 _OUTCOME_FILE = "rank0-outcome.pt"
+
+#: Set in every process a launcher starts, to the pid of the process that started it.
+LAUNCHED_VARIABLE = "TRAINER_CORE_LAUNCHED"
+
+
+def refuse_relaunch(environment: ClusterEnvironment) -> None:
+    """Raise when this process was started by our launcher: it must not start processes again.
+
+    Called before anything is started, when the Trainer is built and by each launcher.
+    """
+    launcher_pid = os.environ.get(LAUNCHED_VARIABLE)
+    if launcher_pid is None:
+        return
+    from trainer_core.errors import MisconfigurationException
+
+    name = type(environment).__name__
+    raise MisconfigurationException(
+        f"{name}.creates_processes_externally is False in a process that trainer-core's launcher started "
+        f"({LAUNCHED_VARIABLE}={launcher_pid}, the pid of the process that started it), so this process would "
+        f"start the ranks again, and each of them again, without end; nothing was started. Make "
+        f"{name}.creates_processes_externally return True in the processes trainer-core starts (they have "
+        f"{LAUNCHED_VARIABLE} and LOCAL_RANK set, as LocalEnvironment reads), or True everywhere when your "
+        "scheduler starts every process."
+    )
 
 
 def _script_command() -> list[str]:
@@ -101,6 +129,7 @@ class ScriptLauncher:
 
     def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not self.environment.creates_processes_externally and not self.children:
+            refuse_relaunch(self.environment)
             self._start_children()
         try:
             return function(*args, **kwargs)
@@ -123,7 +152,7 @@ class ScriptLauncher:
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
         command = _script_command()
         for local_rank in range(1, self.num_processes):
-            child_env = dict(os.environ, LOCAL_RANK=str(local_rank))
+            child_env = dict(os.environ, LOCAL_RANK=str(local_rank), **{LAUNCHED_VARIABLE: str(os.getpid())})
             self.children.append(subprocess.Popen(command, env=child_env, cwd=os.getcwd()))
         self._watcher = _ChildWatcher(self.children)
         self._watcher.start()
@@ -157,6 +186,7 @@ class SpawnLauncher:
         self.start_method = start_method
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        refuse_relaunch(self.environment)
         if trainer is not None:
             trainer.plugin.full_checkpoint_unavailable = None
         os.environ["MASTER_ADDR"] = self.environment.main_address
@@ -169,7 +199,7 @@ class SpawnLauncher:
             rng_states = collect_rng_states()
             context = torch.multiprocessing.start_processes(
                 _spawned_rank,
-                args=(self.num_processes, trainer, function, args, kwargs, folder, rng_states),
+                args=(self.num_processes, trainer, function, args, kwargs, folder, rng_states, os.getpid()),
                 nprocs=self.num_processes,
                 start_method=self.start_method,
                 join=False,
@@ -200,9 +230,11 @@ def _spawned_rank(
     kwargs: dict,
     folder: str,
     rng_states: dict[str, Any],
+    launcher_pid: int,
 ) -> None:
     from trainer_core.checkpoint.rng import apply_rng_states
 
+    os.environ[LAUNCHED_VARIABLE] = str(launcher_pid)
     os.environ["LOCAL_RANK"] = str(local_rank)
     os.environ["WORLD_SIZE"] = str(num_processes)
     apply_rng_states(rng_states)

@@ -25,11 +25,15 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Samp
 
 from trainer_core.errors import MisconfigurationException
 from trainer_core.plugins.base import TrainingTypePlugin
-from trainer_core.plugins.environments import ClusterEnvironment, detect_environment
+from trainer_core.plugins.environments import (
+    ClusterEnvironment,
+    check_environment_argument,
+    detect_environment,
+)
 
 # Kept importable from here (job scripts measure norms with it); it lives with the clipping rule.
 from trainer_core.plugins.grad_norm import total_grad_norm as total_grad_norm
-from trainer_core.plugins.launchers import ScriptLauncher, SpawnLauncher
+from trainer_core.plugins.launchers import ScriptLauncher, SpawnLauncher, refuse_relaunch
 from trainer_core.plugins.parallel_dims import DATA, ParallelDims
 from trainer_core.utilities import rank_zero_warn
 
@@ -76,7 +80,7 @@ class ParallelPlugin(TrainingTypePlugin):
         self.start_method = start_method
         self.process_group_backend = process_group_backend
         self.timeout = timeout
-        self.cluster_environment = cluster_environment
+        self.cluster_environment = check_environment_argument(type(self).__name__, cluster_environment)
         self._device_type = "cpu"
         self._num_devices = 1
         self._num_nodes = 1
@@ -91,8 +95,29 @@ class ParallelPlugin(TrainingTypePlugin):
         self._num_nodes = num_nodes
         if self.cluster_environment is None:
             self.cluster_environment = detect_environment(num_devices, num_nodes)
-        if self.cluster_environment.creates_processes_externally and not dist.is_initialized():
-            self.cluster_environment.validate(num_devices, num_nodes)
+        env = self.cluster_environment
+        self._tell_environment_ranks()
+        if env.creates_processes_externally and not dist.is_initialized():
+            env.validate(num_devices, num_nodes)
+        if self._starts_processes():
+            refuse_relaunch(env)
+
+    def _tell_environment_ranks(self) -> None:
+        """Lightning's ``set_world_size``/``set_global_rank``, for an environment that learns its ranks from us."""
+        env = self._env
+        own = type(env)
+        if (
+            own.set_world_size is ClusterEnvironment.set_world_size
+            and own.set_global_rank is ClusterEnvironment.set_global_rank
+        ):
+            return
+        env.set_world_size(self._num_devices * self._num_nodes)
+        env.set_global_rank(env.node_rank() * self._num_devices + env.local_rank())
+
+    def _starts_processes(self) -> bool:
+        """Whether ``launch`` starts the ranks here: no one else started them and none runs yet."""
+        env = self._env
+        return not (env.creates_processes_externally or self.world_size == 1 or dist.is_initialized())
 
     @property
     def _env(self) -> ClusterEnvironment:
@@ -129,7 +154,7 @@ class ParallelPlugin(TrainingTypePlugin):
 
     def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         env = self._env
-        if env.creates_processes_externally or self.world_size == 1 or dist.is_initialized():
+        if not self._starts_processes():
             return function(*args, **kwargs)
         if self.start_method == "popen":
             if self._launcher is None:
@@ -143,6 +168,7 @@ class ParallelPlugin(TrainingTypePlugin):
         if dist.is_initialized():
             return
         env = self._env
+        self._tell_environment_ranks()
         os.environ.setdefault("MASTER_ADDR", env.main_address)
         os.environ.setdefault("MASTER_PORT", str(env.main_port))
         if self._device_type == "cuda":
@@ -317,6 +343,9 @@ class ParallelPlugin(TrainingTypePlugin):
                 f"given {type(io).__name__}; drop that CheckpointIO from `plugins=`, or write full checkpoints "
                 "(FSDPPlugin(state_dict_type='full'), ModelParallelPlugin(save_distributed_checkpoint=False))."
             )
+        from trainer_core.checkpoint import KEY_OPTIMIZER_STATES, refuse_fields_of_sharded_states
+
+        refuse_fields_of_sharded_states(checkpoint.get(KEY_OPTIMIZER_STATES, []), type(self).__name__)
         # A collective: every rank writes its own shards.
         self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 

@@ -22,6 +22,7 @@ LAUNCH_VARS = frozenset(
         "MASTER_PORT",
         "TORCHELASTIC_RUN_ID",
         "LOCAL_WORLD_SIZE",
+        "TRAINER_CORE_LAUNCHED",
     }
 )
 

@@ -86,6 +86,10 @@ class _Ranks(ClusterEnvironment):
 
     creates_processes_externally = True
 
+    @staticmethod
+    def detect() -> bool:
+        return False  # passed explicitly, never picked by detect_environment
+
     def __init__(self, world: int, rank: int = 0) -> None:
         self._world, self._rank = world, rank
 
