@@ -86,10 +86,12 @@ LRSchedulerCallable = Callable[[Optimizer], Union[LRScheduler, ReduceLROnPlateau
 
 def _typed_trainer_arguments() -> dict[str, tuple[Any, str]]:
     """Trainer arguments whose type the parser cannot read from the signature (``Any``), typed here."""
-    from trainer_core.plugins import TrainingTypePlugin
+    from trainer_core.plugins import ClusterEnvironment, TrainingTypePlugin
     from trainer_core.plugins.io import CheckpointIO
+    from trainer_core.precision import Precision
 
-    plugin = Union[str, TrainingTypePlugin, CheckpointIO]
+    # What Trainer(plugins=[...]) takes apart (trainer_core.connectors.split_plugins).
+    plugin = Union[str, TrainingTypePlugin, CheckpointIO, ClusterEnvironment, Precision]
     return {
         "logger": (
             Optional[Union[bool, Logger, list[Logger]]],
@@ -97,7 +99,8 @@ def _typed_trainer_arguments() -> dict[str, tuple[Any, str]]:
         ),
         "plugins": (
             Optional[Union[plugin, list[plugin]]],
-            "a registered plugin name ('ddp', 'fsdp', ...), or plugins and checkpoint IO by class_path",
+            "a registered plugin name ('ddp', 'fsdp', ...), or by class_path a plugin, a checkpoint IO, a cluster "
+            "environment and a precision",
         ),
         "strategy": (
             Optional[Union[str, TrainingTypePlugin]],

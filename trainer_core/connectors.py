@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -21,11 +22,13 @@ from trainer_core.callbacks.model_summary import ModelSummary, RichModelSummary,
 from trainer_core.callbacks.progress import ProgressBar, TQDMProgressBar
 from trainer_core.callbacks.timer import Timer
 from trainer_core.errors import MisconfigurationException
-from trainer_core.loggers import CSVLogger, TensorBoardLogger, tensorboard_available
+from trainer_core.loggers import CSVLogger, Logger, TensorBoardLogger, tensorboard_available
 from trainer_core.plugins import TrainingTypePlugin, plugin_from_name
 from trainer_core.plugins.environments import ClusterEnvironment
 from trainer_core.plugins.io import CheckpointIO
+from trainer_core.precision import Precision
 from trainer_core.utilities import as_list, rank_zero_only
+from trainer_core.utilities.arguments import is_class_of, pass_instance, require_instance
 
 _ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 _logger = logging.getLogger("trainer_core")
@@ -81,39 +84,112 @@ def _device_count(devices: Any) -> int:
     )
 
 
-def select_plugin(accelerator: str, strategy: Any, devices: Any, num_nodes: int, plugins: Any) -> Any:
-    """The one training-type plugin of the run, from ``plugins=``/``strategy=`` or the device count."""
-    given = [p for p in as_list(plugins) if p is not None]
-    checkpoint_io = [p for p in given if isinstance(p, CheckpointIO)]
-    environments = [p for p in given if isinstance(p, ClusterEnvironment)]
-    given = [p for p in given if not isinstance(p, (CheckpointIO, ClusterEnvironment))]
-    if len(environments) > 1:
+#: The kinds ``Trainer(plugins=[...])`` takes apart, at most one of each (Lightning's rule), and where each goes.
+_PLUGIN_KINDS = (
+    ("training_type", "training-type plugin", "a TrainingTypePlugin or a registered name such as 'ddp'"),
+    ("checkpoint_io", "CheckpointIO", "a CheckpointIO"),
+    ("environment", "cluster environment", "a ClusterEnvironment"),
+    ("precision", "precision", "a Precision"),
+)
+_DEFAULT_PRECISIONS = ("32-true", "32", 32, None)
+
+
+@dataclass
+class PluginParts:
+    """``Trainer(plugins=[...], strategy=..., precision=...)`` taken apart, as Lightning's accelerator connector does.
+
+    ``precision`` is the Precision found in the list, or else the ``precision=`` argument (a name or
+    an instance), for :func:`trainer_core.precision.precision_from`.
+    """
+
+    training_type: Any = None
+    checkpoint_io: Optional[CheckpointIO] = None
+    environment: Optional[ClusterEnvironment] = None
+    precision: Any = "32-true"
+
+
+def split_plugins(plugins: Any, strategy: Any, precision: Any) -> PluginParts:
+    """Sort ``plugins``/``strategy`` into their kinds; a duplicate, a class or an unknown object is refused."""
+    found: dict[str, list[Any]] = {field: [] for field, _, _ in _PLUGIN_KINDS}
+    for item in as_list(plugins):
+        if item is not None:
+            found[_kind_of(item, f"plugins=[..., {_shown(item)}]")].append(item)
+    strategy_given = strategy is not None and strategy != "auto"
+    if strategy_given:
+        if _kind_of(strategy, f"strategy={_shown(strategy)}") != "training_type":
+            raise MisconfigurationException(
+                f"Trainer(strategy={_shown(strategy)}): strategy= takes a training-type plugin or a registered name; "
+                f"pass the {type(strategy).__name__} in plugins=[...]."
+            )
+        found["training_type"].append(strategy)
+    for field, kind, _ in _PLUGIN_KINDS:
+        if len(found[field]) > 1:
+            given = (
+                "strategy=..., plugins=[...]"
+                if strategy_given and field == "training_type"
+                else "plugins=[...]"
+            )
+            raise MisconfigurationException(
+                f"Trainer({given}) got {len(found[field])} {kind}s: {', '.join(_shown(p) for p in found[field])}; "
+                "pass exactly one."
+            )
+    parts = PluginParts(**{field: items[0] for field, items in found.items() if items})
+    if not found["precision"]:
+        parts.precision = precision
+    elif not _is_default_precision(precision):
+        listed = _shown(parts.precision)
         raise MisconfigurationException(
-            f"Trainer(plugins=[...]) got {len(environments)} cluster environments "
-            f"({', '.join(repr(e) for e in environments)}); pass at most one."
+            f"Trainer(precision={_shown(precision)}, plugins=[..., {listed}]) got two precisions; pass one: remove "
+            f"precision={_shown(precision)} or the {type(parts.precision).__name__} in plugins=[...]."
         )
-    if strategy is not None and strategy != "auto":
-        given.append(strategy)
-    if len(given) > 1:
-        raise MisconfigurationException(
-            f"Trainer got {len(given)} training-type plugins ({', '.join(_name(p) for p in given)}); pass exactly one."
-        )
+    return parts
+
+
+def _kind_of(item: Any, given: str) -> str:
+    """The field of :class:`PluginParts` ``item`` belongs to; ``given`` is how the user passed it."""
+    if isinstance(item, (TrainingTypePlugin, str)):
+        return "training_type"
+    if isinstance(item, CheckpointIO):
+        return "checkpoint_io"
+    if isinstance(item, ClusterEnvironment):
+        return "environment"
+    if isinstance(item, Precision):
+        return "precision"
+    if is_class_of(item, (TrainingTypePlugin, CheckpointIO, ClusterEnvironment, Precision)):
+        raise MisconfigurationException(f"Trainer({given}): {pass_instance(item)}.")
+    kinds = "; ".join(wanted for _, _, wanted in _PLUGIN_KINDS)
+    what = f"the class {item.__name__}" if isinstance(item, type) else f"{type(item).__name__}(...)"
+    raise MisconfigurationException(
+        f"Trainer({given}): {what} is none of what plugins= takes: {kinds}. "
+        "Pass instances of those, a registered plugin name, or None."
+    )
+
+
+def _is_default_precision(precision: Any) -> bool:
+    return not isinstance(precision, Precision) and precision in _DEFAULT_PRECISIONS
+
+
+def _shown(item: Any) -> str:
+    """``'ddp'``, ``TorchCheckpointIO(...)`` or ``TorchCheckpointIO`` (a class): how a message names ``item``."""
+    if isinstance(item, (str, int)):
+        return repr(item)
+    if isinstance(item, type):
+        return item.__name__
+    return f"{type(item).__name__}(...)"
+
+
+def select_plugin(accelerator: str, parts: PluginParts, devices: Any, num_nodes: int) -> TrainingTypePlugin:
+    """The one training-type plugin of the run, given its CheckpointIO and environment from ``parts``."""
     n_devices = _device_count(devices)
     if not isinstance(num_nodes, int) or num_nodes < 1:
         raise MisconfigurationException(f"Trainer(num_nodes={num_nodes!r}): use a positive integer.")
     device = _resolve_device(accelerator, devices)
-    if given:
-        plugin = given[0]
-        if isinstance(plugin, str):
-            plugin = plugin_from_name(plugin)
-        elif not isinstance(plugin, TrainingTypePlugin):
-            raise MisconfigurationException(
-                f"Trainer(plugins={plugin!r}): pass a TrainingTypePlugin, a CheckpointIO, a ClusterEnvironment "
-                "or a registered plugin name."
-            )
-    elif n_devices * num_nodes == 1:
+    plugin = parts.training_type
+    if isinstance(plugin, str):
+        plugin = plugin_from_name(plugin)
+    elif plugin is None and n_devices * num_nodes == 1:
         plugin = plugin_from_name("single_device")
-    else:
+    elif plugin is None:
         from trainer_core.plugins import available_plugins
 
         if "ddp" not in available_plugins():
@@ -122,6 +198,7 @@ def select_plugin(accelerator: str, strategy: Any, devices: Any, num_nodes: int,
                 f"distributed plugin; this version has only: {', '.join(available_plugins())}."
             )
         plugin = plugin_from_name("ddp")
+    _check_initialised(plugin)
     if plugin.name == "single_device":
         if n_devices * num_nodes > 1:
             raise MisconfigurationException(
@@ -130,12 +207,27 @@ def select_plugin(accelerator: str, strategy: Any, devices: Any, num_nodes: int,
             )
         if hasattr(plugin, "set_default_device"):
             plugin.set_default_device(device)
-    if checkpoint_io:
-        plugin.checkpoint_io = checkpoint_io[-1]
-    if environments:
-        _give_environment(plugin, environments[0])
+    if parts.checkpoint_io is not None:
+        plugin.checkpoint_io = parts.checkpoint_io
+    if parts.environment is not None:
+        _give_environment(plugin, parts.environment)
     plugin.configure_devices(device.type, n_devices, num_nodes)
     return plugin
+
+
+def _check_initialised(plugin: TrainingTypePlugin) -> None:
+    """Refuse a plugin whose class's ``__init__`` did not run ``TrainingTypePlugin.__init__``.
+
+    Without it the plugin lacks what the Trainer reads (its optimizers, precision, checkpoint IO) and the
+    run would fail on the first of them, with an ``AttributeError`` deep in the loop.
+    """
+    if "_lightning_module" not in vars(plugin):
+        name = type(plugin).__name__
+        raise MisconfigurationException(
+            f"{name}.__init__ must call super().__init__(...): the base class sets up what the Trainer reads "
+            f"(optimizers, precision, checkpoint_io). Add super().__init__(**kwargs) to {name}.__init__, passing "
+            "on the arguments the base takes."
+        )
 
 
 def _give_environment(plugin: TrainingTypePlugin, environment: ClusterEnvironment) -> None:
@@ -153,10 +245,6 @@ def _give_environment(plugin: TrainingTypePlugin, environment: ClusterEnvironmen
     plugin.cluster_environment = environment
 
 
-def _name(plugin: Any) -> str:
-    return plugin if isinstance(plugin, str) else type(plugin).__name__
-
-
 def configure_callbacks(
     callbacks: Any,
     enable_checkpointing: bool,
@@ -170,6 +258,8 @@ def configure_callbacks(
     """
     result = as_list(callbacks)
     for cb in result:
+        if is_class_of(cb, Callback):
+            raise MisconfigurationException(f"Trainer(callbacks=[..., {cb.__name__}]): {pass_instance(cb)}.")
         if not isinstance(cb, Callback):
             raise MisconfigurationException(
                 f"Trainer(callbacks=...): {type(cb).__name__} is not a trainer_core.callbacks.Callback."
@@ -228,7 +318,7 @@ def _reorder(callbacks: list[Callback]) -> list[Callback]:
     return others + checkpoints
 
 
-def configure_loggers(logger: Any, default_root_dir: str) -> list[Any]:
+def configure_loggers(logger: Any, default_root_dir: str) -> list[Logger]:
     """``True``/``None``: TensorBoard if installed, else CSV; ``False``: none; or the user's logger(s)."""
     if logger is False:
         return []
@@ -236,4 +326,12 @@ def configure_loggers(logger: Any, default_root_dir: str) -> list[Any]:
         if tensorboard_available():
             return [TensorBoardLogger(save_dir=default_root_dir)]
         return [CSVLogger(save_dir=default_root_dir)]
-    return as_list(logger)
+    loggers = as_list(logger)
+    for lg in loggers:
+        require_instance(
+            lg,
+            Logger,
+            "Trainer(logger=...)",
+            "a trainer_core.loggers.Logger instance (CSVLogger(save_dir=...) or your subclass of Logger)",
+        )
+    return loggers

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from trainer_core import signals
 from trainer_core.callback_queries import (
     callback_overrides,
+    check_state_keys,
     checkpoint_callbacks,
     has_timer,
     progress_bar_callback,
@@ -35,6 +36,7 @@ from trainer_core.connectors import (
     configure_torch_backends,
     merge_module_callbacks,
     select_plugin,
+    split_plugins,
 )
 from trainer_core.datamodule import LightningDataModule
 from trainer_core.errors import MisconfigurationException, _TunerExitException
@@ -43,7 +45,7 @@ from trainer_core.loops import FitLoop, Progress, run_evaluation, run_predict
 from trainer_core.metrics import Metrics
 from trainer_core.module import LightningModule
 from trainer_core.optim import LightningOptimizer, LRSchedulerConfig
-from trainer_core.precision import Precision
+from trainer_core.precision import Precision, precision_from
 from trainer_core.profilers import Profiler, is_active, resolve_profiler
 from trainer_core.run_state import CheckpointParts
 from trainer_core.utilities import launcher_restart_count, rank_zero_only, rank_zero_warn
@@ -72,7 +74,7 @@ class Trainer:
         devices: Union[int, str, Sequence[int]] = "auto",
         num_nodes: int = 1,
         plugins: Any = None,
-        precision: Union[str, int] = "32-true",
+        precision: Union[str, int, Precision] = "32-true",
         logger: Any = None,
         callbacks: Optional[Union[Callback, list[Callback]]] = None,
         fast_dev_run: Union[bool, int] = False,
@@ -108,11 +110,14 @@ class Trainer:
         profiler: Optional[Union[Profiler, str]] = None,
     ) -> None:
 
-        self.plugin = select_plugin(accelerator, strategy, devices, num_nodes, plugins)
+        # Lightning's ``plugins=[...]``: a training-type plugin, a CheckpointIO, an environment and a
+        # Precision, each put where it belongs; everything the user passed is checked before anything starts.
+        parts = split_plugins(plugins, strategy, precision)
+        self.plugin = select_plugin(accelerator, parts, devices, num_nodes)
         self.accelerator = accelerator
         self.num_nodes = num_nodes
         self.devices = devices
-        self.plugin.precision = Precision(precision, self.plugin.root_device.type)
+        self.plugin.precision = precision_from(parts.precision, self.plugin.root_device.type)
         self.plugin.precision.check_device(self.plugin.root_device)
 
         config = TrainerConfig(
@@ -149,7 +154,6 @@ class Trainer:
         vars(self).update(config.attributes())
         if self.optimizer_in_backward:
             self._check_optimizer_in_backward()
-        configure_torch_backends(self.deterministic, self.benchmark)
 
         self._default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
         # ``fast_dev_run`` runs without loggers (Lightning's rule).
@@ -161,6 +165,11 @@ class Trainer:
             enable_model_summary=self.enable_model_summary,
             max_time=max_time,
         )
+        # ``Trainer(profiler=...)``; a PassThroughProfiler (records nothing) when not asked for, so that
+        # ``trainer.profiler.profile("name")`` in user code always works.
+        self.profiler: Profiler = resolve_profiler(profiler)
+        # Torch's global switches change once every argument has been accepted.
+        configure_torch_backends(self.deterministic, self.benchmark)
 
         # State of the run.
         self.state_stage: Optional[str] = None
@@ -194,9 +203,6 @@ class Trainer:
         self.progress = Progress()
         self.hook_runner = HookRunner(self)
         self.metrics = Metrics(self)
-        # ``Trainer(profiler=...)``; a PassThroughProfiler (records nothing) when not asked for, so that
-        # ``trainer.profiler.profile("name")`` in user code always works.
-        self.profiler: Profiler = resolve_profiler(profiler)
 
     # ------------------------------------------------------------------ entry points
     def fit(
@@ -321,6 +327,7 @@ class Trainer:
             raise MisconfigurationException(
                 f"`trainer.{stage}(torch.compile(model))` under {type(self.plugin).__name__}: {unsupported}."
             )
+        check_state_keys(self.callbacks)
         self.state_stage = stage
         self.training = stage == "fit"
         self.should_stop = False
@@ -387,6 +394,7 @@ class Trainer:
         extra = module.configure_callbacks()
         if extra:
             self.callbacks = merge_module_callbacks(self.callbacks, extra)
+            check_state_keys(self.callbacks)
         self.plugin.setup_environment()
         fit_loop = self.fit_loop
         if stage == "fit" and fit_loop is not None and fit_loop.ckpt_path is None:

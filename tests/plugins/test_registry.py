@@ -116,8 +116,8 @@ class _UserPlugin(SingleDevicePlugin):
 
 
 def test_a_registered_name_works_as_a_built_in_one() -> None:
-    # Left registered: a name only this test uses, and registering it again replaces it.
-    register_plugin(_UserPlugin.name, _UserPlugin, marker="default")
+    # Left registered: a name only this test uses; override=True lets the test run twice in one process.
+    register_plugin(_UserPlugin.name, _UserPlugin, override=True, marker="default")
     assert _UserPlugin.name in available_plugins()
     plugin = plugin_from_name(_UserPlugin.name)
     assert type(plugin) is _UserPlugin and plugin.marker == "default"

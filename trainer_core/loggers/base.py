@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import re
+from abc import ABC, abstractmethod
 from argparse import Namespace
 from typing import Any, Callable, Optional, Union
 
@@ -16,8 +17,12 @@ from trainer_core.utilities import rank_zero_only
 HPARAMS_FILE = "hparams.yaml"
 
 
-class Logger:
-    """Base class: metrics and hyper-parameters go to ``log_metrics``/``log_hyperparams``."""
+class Logger(ABC):
+    """Base class: metrics and hyper-parameters go to ``log_metrics``/``log_hyperparams``.
+
+    Those two are abstract: a subclass lacking one cannot be built (Python's ``TypeError`` names it),
+    instead of failing at the first step that logs. Everything else has a default (docs/extending.md §7).
+    """
 
     @property
     def name(self) -> str:
@@ -35,20 +40,22 @@ class Logger:
     def log_dir(self) -> Optional[str]:
         return None
 
+    @abstractmethod
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
-        raise NotImplementedError
+        """Record ``metrics`` (``{name: float}``) at training step ``step``."""
 
+    @abstractmethod
     def log_hyperparams(self, params: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """Record the run's hyper-parameters."""
 
-    def save(self) -> None:
+    def save(self) -> None:  # noqa: B027 (an optional hook: a logger without a buffer has nothing to flush)
         """Flush buffered records."""
 
     def finalize(self, status: str) -> None:
         """Flush and close at the end of a run (``status``: ``"success"``, ``"failed"`` or ``"preempted"``)."""
         self.save()
 
-    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:  # noqa: B027 (an optional hook)
         """Called on global rank 0 after ``ModelCheckpoint`` saved (loggers that upload checkpoints use it)."""
 
 

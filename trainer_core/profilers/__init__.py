@@ -47,6 +47,12 @@ def resolve_profiler(profiler: Optional[Union[Profiler, str]]) -> Profiler:
     if profiler is None:
         return PassThroughProfiler()
     if isinstance(profiler, Profiler):
+        if "_stage" not in vars(profiler):
+            name = type(profiler).__name__
+            raise MisconfigurationException(
+                f"Trainer(profiler={name}(...)): {name}.__init__ must call super().__init__(...) (Profiler sets up "
+                "its report file there); add super().__init__(dirpath=..., filename=...) to it."
+            )
         return profiler
     choices = "'simple', 'advanced', 'pytorch', or a Profiler instance from trainer_core.profilers"
     if isinstance(profiler, str):
@@ -56,6 +62,10 @@ def resolve_profiler(profiler: Optional[Union[Profiler, str]]) -> Profiler:
                 f"Trainer(profiler={profiler!r}) is not a profiler name: use {choices}."
             )
         return SimpleProfiler() if name == "SimpleProfiler" else __getattr__(name)()
+    if isinstance(profiler, type) and issubclass(profiler, Profiler):
+        raise MisconfigurationException(
+            f"Trainer(profiler={profiler.__name__}): pass {profiler.__name__}() (an instance, not the class)."
+        )
     raise MisconfigurationException(
         f"Trainer(profiler=...) got a {type(profiler).__name__}: use {choices} (or None for no profiling)."
     )
