@@ -21,12 +21,31 @@ class Callback:
 
     @property
     def state_key(self) -> str:
-        """The key of this callback's state in the checkpoint; unique per class and its settings."""
+        """The key of this callback's state in the checkpoint (``checkpoint["callbacks"][state_key]``).
+
+        The class's qualified name (Lightning's default), so one instance per class. A stateful callback
+        meant to run as several instances overrides it with :meth:`generate_state_key` over the settings
+        that tell the instances apart; two stateful callbacks with one key are refused at fit start,
+        because on resume both would get one instance's state.
+        """
         return type(self).__qualname__
 
-    def _generate_state_key(self, **kwargs: Any) -> str:
-        """A state key that tells apart two instances of one class with different settings."""
-        return f"{type(self).__qualname__}{kwargs!r}"
+    def generate_state_key(self, **settings: Any) -> str:
+        """A state key of the class's name and ``settings`` (values whose ``repr`` is stable across runs).
+
+        Example::
+
+            @property
+            def state_key(self) -> str:
+                return self.generate_state_key(monitor=self.monitor, every_n_steps=self.every_n_steps)
+
+        The same settings give the same key in the next run, which is how a resumed run finds each
+        instance's state.
+        """
+        return f"{type(self).__qualname__}{settings!r}"
+
+    # Lightning's name, kept for callbacks ported from it (and for keys already in checkpoints).
+    _generate_state_key = generate_state_key
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None: ...
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None: ...

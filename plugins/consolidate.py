@@ -8,6 +8,9 @@ the ranks first exchange a small manifest (which parameter, which keys, shapes a
 each owner sends its existing tensors straight to rank 0, which receives them into fresh ones:
 rank 0 ends up holding one copy of the other ranks' shards (its own by reference) and the other
 ranks hold nothing extra.
+
+Which hook a plugin subclass overrides to put its own fields next to the optimizer state depends on
+who builds that state: :func:`check_optimizer_state_override` refuses an override nobody calls.
 """
 
 from __future__ import annotations
@@ -17,6 +20,30 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
+
+from trainer_core.errors import MisconfigurationException
+
+
+def check_optimizer_state_override(cls: type, base: type) -> None:
+    """Refuse a plugin class whose ``optimizer_state`` override would never run.
+
+    The ``base`` plugin's ``named_optimizer_state`` names what ``optimizer_state`` returns (fields included).
+    Plugins that build the checkpoint's optimizer state themselves (FSDP and model parallel through
+    torch's ``get_optimizer_state_dict``, the pipeline per stage) override ``named_optimizer_state``
+    and never call ``optimizer_state``: a subclass's override of it below theirs would be ignored.
+    """
+    mro = cls.__mro__
+    named = next(klass for klass in mro if "named_optimizer_state" in vars(klass))
+    state = next(klass for klass in mro if "optimizer_state" in vars(klass))
+    if named is base or mro.index(state) >= mro.index(named):
+        return
+    parent = next(klass for klass in mro[1:] if issubclass(klass, base))
+    raise MisconfigurationException(
+        f"{cls.__name__} overrides `optimizer_state`, which {parent.__name__} never calls: it builds the "
+        f"checkpoint's optimizer state in `named_optimizer_state`. Override `named_optimizer_state` instead "
+        "(add your field to what super() returns, and read it back in `load_optimizer_state_dict`), or keep "
+        "the plugin's own data in `plugin_state_dict()` / `load_plugin_state_dict()`."
+    )
 
 
 def _ownership(optimizer: Optimizer) -> Optional[tuple[Optimizer, Callable[[torch.Tensor], int]]]:

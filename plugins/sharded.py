@@ -36,6 +36,10 @@ class DDPShardedPlugin(DDPPlugin):
     name = "ddp_sharded"
     # Each gradient is reduced to the rank that owns it: only that rank can see its inf.
     holds_partial_gradients = True
+    ddp_comm_hook_unsupported = (
+        "ShardedDataParallel reduces each gradient to the rank that owns it and takes no communication hook; "
+        "use DDPPlugin or ZeroPlugin for a hook"
+    )
 
     def __init__(
         self,

@@ -17,6 +17,7 @@ from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
 from trainer_core.callbacks.prediction_writer import BasePredictionWriter
 from trainer_core.callbacks.progress import ProgressBar
 from trainer_core.callbacks.timer import Timer
+from trainer_core.errors import MisconfigurationException
 from trainer_core.utilities import as_list
 
 
@@ -28,6 +29,34 @@ def has_timer(callbacks: Any) -> bool:
 def callback_overrides(callback: Callback, name: str) -> bool:
     """Whether ``callback`` does something in hook ``name`` (the base class's hooks do nothing)."""
     return is_overridden(name, callback, Callback)
+
+
+def is_stateful(callback: Callback) -> bool:
+    """Whether ``callback`` keeps state in checkpoints (it overrides ``state_dict`` or ``load_state_dict``)."""
+    return is_overridden("state_dict", callback, Callback) or is_overridden(
+        "load_state_dict", callback, Callback
+    )
+
+
+def check_state_keys(callbacks: list[Callback]) -> None:
+    """Refuse two stateful callbacks with one ``state_key`` (Lightning's rule, checked before a run starts).
+
+    Their states would be saved under one key, and on resume both would load one instance's state.
+    """
+    seen: dict[str, Callback] = {}
+    for callback in filter(is_stateful, callbacks):
+        key = callback.state_key
+        if key in seen:
+            name = type(callback).__name__
+            other = type(seen[key]).__name__
+            instances = f"two {name} callbacks" if other == name else f"{other} and {name}"
+            raise MisconfigurationException(
+                f"Trainer(callbacks=...): {instances} keep state under one state_key {key!r}, so on resume "
+                f"both would get one instance's state. Give each instance its own key: override `state_key` "
+                f"in {name} to return `self.generate_state_key(...)` of the settings that differ between "
+                "the instances, or pass only one instance."
+            )
+        seen[key] = callback
 
 
 def checkpoint_callbacks(callbacks: list[Callback]) -> list[ModelCheckpoint]:

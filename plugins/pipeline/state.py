@@ -140,7 +140,11 @@ class StageState:
                 group=self._pp_group,
             )
             every = _merge_parts([entry for rank_groups in groups for entry in rank_groups])  # type: ignore[union-attr]
-            merged = {"state": merged.get("state", {}), "param_groups": every.get("param_groups", [])}
+            merged = {
+                **merged,
+                "state": merged.get("state", {}),
+                "param_groups": every.get("param_groups", []),
+            }
         return merged
 
     def prepare_optimizer_state(self, optimizer: Optimizer, named_state: dict[str, Any], path: str) -> Any:

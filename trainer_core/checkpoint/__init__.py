@@ -29,10 +29,12 @@ from trainer_core.checkpoint.format import (
 from trainer_core.checkpoint.lightning import from_lightning, is_lightning_checkpoint
 from trainer_core.checkpoint.optimizer import (
     check_named_state_covers,
+    extra_fields,
     merge_named_states,
     optimizer_state_from_names,
     optimizer_state_to_names,
     parameter_names,
+    refuse_fields_of_sharded_states,
     select_named_state,
 )
 from trainer_core.checkpoint.safetensors import LoadResult, load_safetensors, save_safetensors
@@ -59,6 +61,7 @@ __all__ = [
     "check_state_dict_matches",
     "decode_byte_payloads",
     "encode_byte_payloads",
+    "extra_fields",
     "from_lightning",
     "is_lightning_checkpoint",
     "load_safetensors",
@@ -66,6 +69,7 @@ __all__ = [
     "optimizer_state_from_names",
     "optimizer_state_to_names",
     "parameter_names",
+    "refuse_fields_of_sharded_states",
     "register_safe_globals",
     "safe_globals",
     "save_safetensors",

@@ -11,6 +11,10 @@ Stored form::
     {"state": {"net.0.weight": {"momentum_buffer": ...}, ...},
      "param_groups": [{"lr": 0.1, ..., "params": ["net.0.weight", "net.0.bias"]}, ...]}
 
+Every other top-level key (a field a plugin's ``optimizer_state`` adds, or one an optimizer's own
+``state_dict`` holds) is kept as it is, in both directions: it is the plugin's or the optimizer's,
+and it comes back to ``load_optimizer_state_dict`` on resume.
+
 An empty state (``{}``, what non-zero ranks of a sharded optimizer return after consolidation on
 rank 0) passes through both conversions unchanged.
 """
@@ -23,7 +27,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from trainer_core.errors import CheckpointError
+from trainer_core.errors import CheckpointError, MisconfigurationException
 from trainer_core.utilities import listing
 from trainer_core.utilities.compiled_names import plain_named_parameters
 
@@ -82,6 +86,10 @@ def optimizer_state_to_names(
     """
     if not state_dict:
         return {}
+    if _STATE not in state_dict and _PARAM_GROUPS not in state_dict:
+        # A rank of a sharded optimizer holds none of the full state (rank 0 gathered it); a plugin's
+        # ``optimizer_state`` may still add its own fields there. Nothing to key by name.
+        return dict(state_dict)
     grouped = _ordered_names(optimizer, param_names)
     saved_groups = state_dict[_PARAM_GROUPS]
     if [len(g[_PARAMS]) for g in saved_groups] != [len(names) for names in grouped]:
@@ -100,7 +108,7 @@ def optimizer_state_to_names(
         named_group[_PARAMS] = [index_to_name[index] for index in group[_PARAMS]]
         param_groups.append(named_group)
     state = {index_to_name[index]: value for index, value in state_dict[_STATE].items()}
-    return {_STATE: state, _PARAM_GROUPS: param_groups}
+    return {**extra_fields(state_dict), _STATE: state, _PARAM_GROUPS: param_groups}
 
 
 def optimizer_state_from_names(
@@ -157,7 +165,28 @@ def optimizer_state_from_names(
                 state[index] = named_state[_STATE][name]
             index += 1
         param_groups.append(group)
-    return {_STATE: state, _PARAM_GROUPS: param_groups}
+    return {**extra_fields(named_state), _STATE: state, _PARAM_GROUPS: param_groups}
+
+
+def extra_fields(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The top-level entries of an optimizer state besides ``state`` and ``param_groups``, unchanged."""
+    return {key: value for key, value in state_dict.items() if key not in (_STATE, _PARAM_GROUPS)}
+
+
+def refuse_fields_of_sharded_states(states: Iterable[Mapping[str, Any]], writer: str) -> None:
+    """Raise when an optimizer state written as shards holds fields a sharded checkpoint cannot give back.
+
+    A sharded (DCP) folder loads into a template of this run's own shards, which has ``state`` and
+    ``param_groups`` only: any other field would be written and then silently lost on resume.
+    """
+    fields = sorted({str(key) for state in states if state for key in extra_fields(state)})
+    if fields:
+        raise MisconfigurationException(
+            f"{writer} writes sharded checkpoints, which load back only 'state' and 'param_groups' of an "
+            f"optimizer state; {', '.join(map(repr, fields))} would be lost on resume. Keep the plugin's own "
+            "data in `plugin_state_dict()` / `load_plugin_state_dict()`, or write full checkpoints "
+            "(FSDPPlugin(state_dict_type='full'), ModelParallelPlugin(save_distributed_checkpoint=False))."
+        )
 
 
 def merge_named_states(states: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
@@ -165,12 +194,23 @@ def merge_named_states(states: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
 
     The parts of a split model (pipeline stages, one optimizer per part) each hold some of the
     model's parameters under the same hyper-parameters; merged, they read like one optimizer's state.
+    Other top-level fields are kept; parts that hold one field with different values cannot be one
+    state, and raise :class:`CheckpointError` naming the field.
     """
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
+    extras: dict[str, Any] = {}
     for part in states:
         if not part:
             continue
+        for key, value in extra_fields(part).items():
+            if key in extras and not _equal(extras[key], value):
+                raise CheckpointError(
+                    f"the optimizer states of the model's parts hold different values under {key!r}, which "
+                    "one state cannot keep; a plugin that adds fields to optimizer_state must add one value "
+                    "per optimizer, or key the field by part."
+                )
+            extras[key] = value
         state.update(part.get("state", {}))
         for group in part.get("param_groups", []):
             settings = {k: v for k, v in group.items() if k != "params"}
@@ -180,16 +220,40 @@ def merge_named_states(states: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
                     break
             else:
                 groups.append({**settings, "params": list(group["params"])})
-    return {"state": state, "param_groups": groups}
+    return {**extras, "state": state, "param_groups": groups}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Whether two values of an optimizer state's field are the same (tensors compared element-wise)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and torch.equal(a.cpu(), b.cpu())
+        )
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
 
 
 def select_named_state(named_state: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
-    """The part of a name-keyed state that belongs to the parameters ``names`` (groups left empty dropped)."""
+    """The part of a name-keyed state that belongs to the parameters ``names`` (groups left empty dropped).
+
+    Other top-level fields go with every part: they belong to the optimizer, not to a parameter.
+    """
     wanted = set(names)
     groups = [
         {**g, "params": [n for n in g["params"] if n in wanted]} for g in named_state.get("param_groups", [])
     ]
     return {
+        **extra_fields(named_state),
         "state": {n: v for n, v in named_state.get("state", {}).items() if n in wanted},
         "param_groups": [g for g in groups if g["params"]],
     }
