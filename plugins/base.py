@@ -21,9 +21,11 @@ from torch.optim import Optimizer
 
 from trainer_core.errors import MisconfigurationException
 from trainer_core.optim import LRSchedulerConfig, optimizer_defaults, parse_optimizers
+from trainer_core.plugins.consolidate import check_optimizer_state_override
 from trainer_core.plugins.grad_norm import clip_grads_by_total_norm, clip_grads_by_value
 from trainer_core.precision import Precision
 from trainer_core.utilities import move_data_to_device
+from trainer_core.utilities.arguments import require_instance
 from trainer_core.utilities.compiled_names import module_state_dict, plain_state_dict
 
 __all__ = ["TrainingTypePlugin", "optimizer_defaults"]
@@ -79,6 +81,9 @@ class TrainingTypePlugin(_RefusesUnknownArguments):
     holds_partial_gradients: bool = False
 
     def __init__(self, checkpoint_io: Optional[CheckpointIO] = None) -> None:
+        check_optimizer_state_override(type(self), TrainingTypePlugin)
+        if checkpoint_io is not None:
+            _require_checkpoint_io(checkpoint_io, f"{type(self).__name__}(checkpoint_io=...)")
         self._checkpoint_io = checkpoint_io
         self._lightning_module: Optional[LightningModule] = None
         self._model: Optional[nn.Module] = None
@@ -86,7 +91,7 @@ class TrainingTypePlugin(_RefusesUnknownArguments):
         self.lr_scheduler_configs: list[LRSchedulerConfig] = []
         #: Per-parameter optimizers stepped during backward (``Trainer(optimizer_in_backward=True)``).
         self.in_backward_optimizer: Optional[OptimizerInBackward] = None
-        self.precision: Precision = Precision("32-true")
+        self.precision: Precision = Precision()
         #: The Trainer this plugin runs for: set by the Trainer before it launches the processes.
         self.trainer: Optional[Trainer] = None
 
@@ -184,6 +189,7 @@ class TrainingTypePlugin(_RefusesUnknownArguments):
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO) -> None:
+        _require_checkpoint_io(io, f"{type(self).__name__}.checkpoint_io = ...")
         self._checkpoint_io = io
 
     # ------------------------------------------------------------------ lifecycle
@@ -334,8 +340,10 @@ class TrainingTypePlugin(_RefusesUnknownArguments):
         hooks = runner.batch
         if hooks.on_before_backward:
             runner.run("on_before_backward", hooks.on_before_backward, loss)
-        scaled = self.precision.pre_backward(loss)
-        self._lightning_module.backward(scaled, *args, **kwargs)
+        precision, module = self.precision, self._lightning_module
+        scaled = precision.pre_backward(loss, module)
+        precision.backward(scaled, module, optimizer, *args, **kwargs)
+        precision.post_backward(scaled, module)
         if hooks.on_after_backward:
             runner.run("on_after_backward", hooks.on_after_backward)
         return loss
@@ -429,6 +437,10 @@ class TrainingTypePlugin(_RefusesUnknownArguments):
         rank 0 reads ``state_dict()`` (on the others it would raise, since the full state was
         gathered to rank 0 alone) and the others return ``{}``. This holds whichever plugin runs,
         also when the user wraps the optimizer inside ``configure_optimizers`` under plain DDP.
+
+        A subclass may add fields next to ``state`` and ``param_groups`` (to what rank 0 returns): they
+        are written to the checkpoint as they are and come back, on every rank, in the ``state_dict``
+        given to :meth:`load_optimizer_state_dict`, which the subclass overrides to read them.
         """
         consolidate = getattr(optimizer, "consolidate_state_dict", None)
         if callable(consolidate):
@@ -492,6 +504,26 @@ class TrainingTypePlugin(_RefusesUnknownArguments):
             state_dict = _own_partition(optimizer, state_dict)
         optimizer.load_state_dict(state_dict)
 
+    def plugin_state_dict(self) -> dict[str, Any]:
+        """State of the plugin's own that a resumed run needs (a communication hook's); ``{}``: none.
+
+        Called on every rank whenever a full checkpoint is written (not for ``weights_only``), so it
+        may run collectives; global rank 0's result is stored under the checkpoint key
+        ``"plugin_state"``, and an empty dict stores nothing. A plugin whose state differs per rank
+        gathers it here (``all_gather_object``, on every rank) and returns every rank's entry.
+        Values must load with ``torch.load(weights_only=True)``: tensors, numbers, strings, lists, dicts.
+        """
+        return {}
+
+    def load_plugin_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back what :meth:`plugin_state_dict` returned; by default there is nothing to take.
+
+        Called on every rank after ``setup`` (the model is wrapped and the optimizers exist), where the
+        optimizer states load, when the restored checkpoint holds ``"plugin_state"``. ``state`` is
+        what global rank 0 returned; each rank picks its own entry from it (at another world size,
+        the plugin decides what still applies).
+        """
+
     # ------------------------------------------------------------------ checkpoint files
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str, storage_options: Optional[Any] = None
@@ -522,6 +554,14 @@ def _sharded_grad_scaler(device_type: str) -> torch.amp.GradScaler:
 def _gradients(optimizer: Optimizer) -> list[Tensor]:
     """The gradients of ``optimizer``'s parameters that exist, in the order of its groups."""
     return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+def _require_checkpoint_io(io: Any, argument: str) -> None:
+    from trainer_core.plugins.io import CheckpointIO
+
+    require_instance(
+        io, CheckpointIO, argument, "a CheckpointIO instance (TorchCheckpointIO() or your subclass)"
+    )
 
 
 def _check_arguments(cls: type[TrainingTypePlugin], given: dict[str, Any]) -> None:

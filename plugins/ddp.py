@@ -4,19 +4,41 @@ Every rank holds the whole model; DDP averages gradients during the backward. Th
 goes through the DDP wrapper (which is what makes the gradient hooks fire); validation, test and
 prediction call the module directly, so they add no collective. Nothing else runs a collective
 on the step: metrics are reduced only when ``self.log(..., sync_dist=True)`` asks for it.
+
+A communication hook (``ddp_comm_hook``, Lightning's argument) replaces DDP's all-reduce of each
+gradient bucket: it is registered on the wrapper on every backend, gloo on CPU included (Lightning
+registers it on CUDA only and ignores it elsewhere). Its state resumes from checkpoints through
+``plugin_state_dict``: a ``PowerSGDState`` is saved field by field, every rank's error feedback
+with it; another state object through its own ``state_dict``/``load_state_dict``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer_core.plugins.base import wrapper_keywords
+from trainer_core.plugins.ddp_comm_hooks import (
+    BUCKETS_KEY,
+    COMM_STATE_KEY,
+    KIND_KEY,
+    PER_RANK_KEY,
+    POWER_SGD_KIND,
+    STATE_DICT_KIND,
+    bucket_layout,
+    check_comm_hook,
+    comm_state_dict,
+    hook_name,
+    is_power_sgd,
+    load_power_sgd,
+    same_first_buckets,
+)
 from trainer_core.plugins.environments import ClusterEnvironment
 from trainer_core.plugins.parallel import (
     DEFAULT_TIMEOUT,
@@ -42,6 +64,8 @@ __all__ = [
     "with_distributed_sampler",
 ]
 
+_logger = logging.getLogger("trainer_core")
+
 
 class _StepRouter(nn.Module):
     """Lets DDP's ``forward`` run a named step of the LightningModule (``training_step``)."""
@@ -60,6 +84,32 @@ class DDPPlugin(ParallelPlugin):
     Keyword arguments other than the plugin's own go to ``DistributedDataParallel``
     (``find_unused_parameters=True``, ``static_graph=True``, ``gradient_as_bucket_view=True``, ...);
     names it does not take are refused here, when the plugin is built.
+
+    Communication hooks, with Lightning's arguments: ``ddp_comm_hook(state, bucket)`` returns a
+    ``torch.futures.Future`` of the reduced bucket (torch's ``allreduce_hook``, ``powerSGD_hook``, or a
+    function of the user's); ``ddp_comm_state`` is the ``state`` it is called with (a
+    ``PowerSGDState``, or ``None``); ``ddp_comm_wrapper(hook)`` returns the hook actually registered
+    (``fp16_compress_wrapper``). They are registered on the wrapper in :meth:`wrap_model`, on CPU
+    (gloo) as on CUDA; the hook's ``bucket`` parameter is named so and, if annotated, annotated with
+    the classes themselves (torch compares them; a module with ``from __future__ import annotations``
+    leaves them unannotated), which the plugin checks when it is built.
+
+    The state resumes from a full checkpoint (:meth:`plugin_state_dict`). A ``PowerSGDState``: at the
+    same world size every rank's error feedback, the warm-start matrices, the generator and the
+    iteration, exactly when DDP's first iteration after the resume reduces in the buckets the state
+    was saved in (a model whose parameters DDP keeps in one order); DDP rebuilds its buckets after
+    that iteration in the order the gradients became ready, and where that order differs the first
+    step after the resume reduces uncompressed and the saved state takes over at the next (logged).
+    At another world size only the iteration and the generator. Its hyper-parameters are the ones the
+    state was built with in this run. On gloo, PowerSGD issues its second all-reduce from a callback,
+    so with several buckets the ranks can interleave them differently and hang: keep one bucket
+    there (a ``bucket_cap_mb`` above the gradients' size). A state object with ``state_dict()``/``load_state_dict()`` resumes
+    through those (each rank its own at the same world size, rank 0's at another); any other state is
+    not saved and starts afresh on resume.
+
+    At world size 1 there is no wrapper: :attr:`model` is the module itself (code that registers
+    hooks on the wrapper checks ``isinstance(plugin.model, DistributedDataParallel)``), and a hook
+    given does not run, which is logged once.
     """
 
     name = "ddp"
@@ -68,6 +118,8 @@ class DDPPlugin(ParallelPlugin):
         "rank would step on its own local gradient and the replicas would drift apart. Use FSDPPlugin (its hook "
         "fires on the reduced, sharded gradient) or SingleDevicePlugin"
     )
+    #: Why ``ddp_comm_hook`` cannot run under this plugin (its wrapper is no ``DistributedDataParallel``), or ``None``.
+    ddp_comm_hook_unsupported: Optional[str] = None
 
     def __init__(
         self,
@@ -76,6 +128,9 @@ class DDPPlugin(ParallelPlugin):
         timeout: timedelta = DEFAULT_TIMEOUT,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
+        ddp_comm_state: Optional[object] = None,
+        ddp_comm_hook: Optional[Callable[..., Any]] = None,
+        ddp_comm_wrapper: Optional[Callable[..., Any]] = None,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(
@@ -85,6 +140,18 @@ class DDPPlugin(ParallelPlugin):
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
         )
+        check_comm_hook(
+            type(self).__name__,
+            self.ddp_comm_hook_unsupported,
+            ddp_comm_state,
+            ddp_comm_hook,
+            ddp_comm_wrapper,
+        )
+        self._ddp_comm_state = ddp_comm_state
+        self._ddp_comm_hook = ddp_comm_hook
+        self._ddp_comm_wrapper = ddp_comm_wrapper
+        self._told_hook_idle = False
+        self._rebuilt_buckets: Optional[list[list[int]]] = None
         self._ddp_kwargs = ddp_kwargs
 
     @classmethod
@@ -111,10 +178,105 @@ class DDPPlugin(ParallelPlugin):
         )
 
     def wrap_model(self, module: nn.Module) -> nn.Module:
+        """``DistributedDataParallel`` around the module, with the communication hook registered on it.
+
+        At world size 1 the module itself: there is nothing to communicate, so :attr:`model` is no
+        ``DistributedDataParallel`` (check before registering hooks on it) and a hook given does not run.
+        """
         if self.world_size == 1:
+            self._tell_hook_idle()
             return module
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
-        return DistributedDataParallel(_StepRouter(module), device_ids=device_ids, **self._ddp_kwargs)
+        model = DistributedDataParallel(_StepRouter(module), device_ids=device_ids, **self._ddp_kwargs)
+        self._rebuilt_buckets = None
+        hook = self._ddp_comm_hook
+        if hook is not None:
+            if self._ddp_comm_wrapper is not None:
+                hook = self._ddp_comm_wrapper(hook)
+            model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
+        return model
+
+    def _tell_hook_idle(self) -> None:
+        if self._ddp_comm_hook is None or self._told_hook_idle:
+            return
+        self._told_hook_idle = True
+        wrapped = (
+            f" wrapped by {hook_name(self._ddp_comm_wrapper)}" if self._ddp_comm_wrapper is not None else ""
+        )
+        _logger.info(
+            f"{type(self).__name__}(ddp_comm_hook={hook_name(self._ddp_comm_hook)}){wrapped}: one process, so there is "
+            "no DistributedDataParallel wrapper and no gradient communication: the communication hook does not run "
+            "(plugin.model is the module itself)."
+        )
+
+    def plugin_state_dict(self) -> dict[str, Any]:
+        """The communication hook's state of every rank (gathered here, on every rank), or ``{}``.
+
+        A ``PowerSGDState`` field by field (the process group left out; the numpy generator as a tensor
+        and numbers, so the file loads with ``weights_only=True``), with the gradient buckets its
+        per-bucket state belongs to; another state through its ``state_dict()``; a state without one
+        is not saved.
+        """
+        own = comm_state_dict(self._ddp_comm_state) if self._ddp_comm_hook is not None else None
+        if own is None:
+            return {}
+        kind, state = own
+        saved = {KIND_KEY: kind, PER_RANK_KEY: self.all_gather_object(state)}
+        if kind == POWER_SGD_KIND:
+            saved[BUCKETS_KEY] = self._buckets_now()
+        return {COMM_STATE_KEY: saved}
+
+    def _buckets_now(self) -> Optional[list[list[int]]]:
+        """The wrapper's buckets (:func:`_bucket_layout`), read once they are rebuilt, as they stay from then on."""
+        if self._rebuilt_buckets is not None:
+            return self._rebuilt_buckets
+        layout = bucket_layout(self._model)
+        if getattr(self._model, "_has_rebuilt_buckets", False):
+            self._rebuilt_buckets = layout
+        return layout
+
+    def load_plugin_state_dict(self, state: dict[str, Any]) -> None:
+        """This rank's own hook state at the same world size; at another, what every rank shares."""
+        saved = state.get(COMM_STATE_KEY)
+        target = self._ddp_comm_state
+        if saved is None or target is None or self._ddp_comm_hook is None:
+            return
+        if saved[KIND_KEY] == POWER_SGD_KIND and is_power_sgd(target):
+            self._load_power_sgd(target, saved)
+        elif saved[KIND_KEY] == STATE_DICT_KIND and callable(getattr(target, "load_state_dict", None)):
+            per_rank = saved[PER_RANK_KEY]
+            same_world = len(per_rank) == self.world_size
+            target.load_state_dict(per_rank[self.global_rank] if same_world else per_rank[0])
+
+    def _load_power_sgd(self, target: Any, saved: dict[str, Any]) -> None:
+        """Put the saved PowerSGD state back; where it cannot continue exactly, the step that changes is logged."""
+        per_rank = saved[PER_RANK_KEY]
+        same_world = len(per_rank) == self.world_size
+        load_power_sgd(
+            target, per_rank[self.global_rank] if same_world else per_rank[0], self.root_device, same_world
+        )
+        notes = []
+        if not same_world:
+            notes.append(
+                f"it was saved by {len(per_rank)} ranks and this run has {self.world_size}: the iteration and the "
+                "generator are restored, the error feedback and the warm-start matrices restart from zero"
+            )
+        model = self._model
+        if (
+            isinstance(model, DistributedDataParallel)
+            and target.iter >= target.start_powerSGD_iter
+            and not same_first_buckets(saved.get(BUCKETS_KEY), model)
+        ):
+            # PowerSGD keeps its state by bucket; this new wrapper's first iteration reduces in other buckets
+            # than those it was saved in (its initial ones, rebuilt after that iteration): it must not compress.
+            target.iter = target.start_powerSGD_iter - 1
+            notes.append(
+                "DistributedDataParallel reduces its first iteration in other gradient buckets than the state was "
+                "saved in (it rebuilds them after that iteration), so the first step after resuming reduces "
+                "uncompressed and compression resumes at the next, with the saved error feedback"
+            )
+        if notes and self.is_global_zero:
+            _logger.info(f"{type(self).__name__}: resuming PowerSGD: {'; '.join(notes)}.")
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         model = self._model

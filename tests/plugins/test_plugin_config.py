@@ -84,6 +84,9 @@ def test_the_valid_arguments_are_the_plugins_own_then_the_wrappers() -> None:
         "timeout",
         "cluster_environment",
         "checkpoint_io",
+        "ddp_comm_state",
+        "ddp_comm_hook",
+        "ddp_comm_wrapper",
     ]
     name, names = wrapper.split(": ")
     assert name == "DistributedDataParallel"
@@ -153,6 +156,10 @@ class _TwoRanks(ClusterEnvironment):
     """Rank 0 of two, as the plugin sees it; nothing is started and no process group is made."""
 
     creates_processes_externally = True
+
+    @staticmethod
+    def detect() -> bool:
+        return False  # passed explicitly, never picked by detect_environment
 
     def world_size(self) -> int:
         return 2

@@ -63,6 +63,9 @@ PLUGIN_LAYOUT = "layout"
 PLUGIN_PRECISION = "precision"
 KEY_DATAMODULE = "datamodule"
 KEY_RNG_PER_RANK = "rng_states_per_rank"  # every rank's generators (rank 0's are also under KEY_RNG)
+#: What the training-type plugin keeps of its own (``plugin_state_dict()`` on global rank 0; a DDP
+#: communication hook's state), in full checkpoints only, when it keeps anything.
+KEY_PLUGIN_STATE = "plugin_state"
 #: What marks a PyTorch Lightning checkpoint: readers return one as it is, and the code that loads it
 #: into a module converts it to this format first (trainer_core/checkpoint/lightning.py).
 KEY_LIGHTNING_VERSION = "pytorch-lightning_version"
@@ -357,6 +360,7 @@ _VALUE_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     KEY_RNG: (lambda value: isinstance(value, Mapping), "a dict"),
     KEY_RNG_PER_RANK: (_is_list_of_mappings, "a list of dicts, one per rank"),
     KEY_PRECISION: (lambda value: value is None or isinstance(value, Mapping), "a dict"),
+    KEY_PLUGIN_STATE: (lambda value: isinstance(value, Mapping), "a dict (the plugin's plugin_state_dict())"),
     KEY_HPARAMS: (_is_hparams, "a dict of hyper-parameters by name"),
     KEY_DATAMODULE_HPARAMS: (_is_hparams, "a dict of hyper-parameters by name"),
     KEY_HPARAMS_NAME: (lambda value: value is None or isinstance(value, str), "an argument name"),

@@ -27,6 +27,7 @@ from trainer_core.checkpoint.format import (
     KEY_LR_SCHEDULERS,
     KEY_OPTIMIZER_STATES,
     KEY_PLUGIN,
+    KEY_PLUGIN_STATE,
     KEY_PRECISION,
     KEY_RNG,
     KEY_RNG_PER_RANK,
@@ -56,7 +57,7 @@ from trainer_core.checkpoint.save import data_replicas, loader_batch_size
 from trainer_core.errors import CheckpointError, MisconfigurationException
 from trainer_core.hparams import hparams_argument
 from trainer_core.optim import rebase_learning_rates
-from trainer_core.precision import Precision, describe_change
+from trainer_core.precision import Precision, describe_change, loaded_state
 from trainer_core.utilities import listing, rank_zero_info, rank_zero_warn
 from trainer_core.utilities.compiled_names import (
     module_state_dict,
@@ -257,6 +258,8 @@ def restore_training_state(parts: CheckpointParts, pending: PendingRestore) -> N
     pending.previous_weights = None
     for opt, state in zip(plugin.optimizers, optimizer_states):
         plugin.load_optimizer_state_dict(opt, state)
+    if KEY_PLUGIN_STATE in checkpoint:
+        plugin.load_plugin_state_dict(checkpoint[KEY_PLUGIN_STATE])
     regrouped = len(checkpoint[KEY_LR_SCHEDULERS]) != len(plugin.lr_scheduler_configs)
     for config, state in zip(plugin.lr_scheduler_configs, scheduler_states):
         config.scheduler.load_state_dict(state)
@@ -268,14 +271,16 @@ def restore_training_state(parts: CheckpointParts, pending: PendingRestore) -> N
 
 
 def _restore_precision(precision: Precision, checkpoint: dict[str, Any]) -> None:
-    """The loss scaler's state, and a note when the checkpoint was written under another precision."""
-    scaler_state = checkpoint.get(KEY_PRECISION) or {}
+    """The precision's state (the loss scaler's), and a note when the checkpoint was written under another precision."""
+    state = checkpoint.get(KEY_PRECISION) or {}
     writer = checkpoint.get(KEY_PLUGIN)
     saved = writer.get(PLUGIN_PRECISION) if isinstance(writer, dict) else None
-    note = describe_change(saved, precision.name, scaler_state)
+    note = describe_change(saved, precision.name, state)
     if note is not None:
         rank_zero_warn(note)
-    precision.load_state_dict(scaler_state)
+    state = loaded_state(precision, saved, state)
+    if state:
+        precision.load_state_dict(state)
 
 
 def _check_optimizer_names(module: nn.Module, saved: list[dict[str, Any]], path: str) -> None:

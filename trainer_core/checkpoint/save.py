@@ -30,6 +30,7 @@ from trainer_core.checkpoint.format import (
     KEY_LR_SCHEDULERS,
     KEY_OPTIMIZER_STATES,
     KEY_PLUGIN,
+    KEY_PLUGIN_STATE,
     KEY_PRECISION,
     KEY_RNG,
     KEY_RNG_PER_RANK,
@@ -237,6 +238,10 @@ def dump_checkpoint(parts: CheckpointParts, weights_only: bool = False) -> dict[
         if len(rngs) > 1:
             checkpoint[KEY_RNG_PER_RANK] = rngs
         checkpoint[KEY_PRECISION] = plugin.precision.state_dict()
+        # On every rank (it may gather each rank's part); rank 0's is what the file keeps.
+        plugin_state = plugin.plugin_state_dict()
+        if plugin_state:
+            checkpoint[KEY_PLUGIN_STATE] = plugin_state
         if datamodule is not None:
             dm_state = datamodule.state_dict()
             if dm_state:
