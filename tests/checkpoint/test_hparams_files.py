@@ -104,7 +104,8 @@ def test_a_bad_hparams_file_is_one_clear_error_naming_it(
     started = time.perf_counter()
     with pytest.raises(MisconfigurationException, match=re.escape(str(path)) + ".*" + match):
         Net.load_from_checkpoint(checkpoint, hparams_file=path)
-    assert time.perf_counter() - started < 5
+    # Bounded, not fast: an unbounded parse takes minutes; a loaded 2-core CI machine can take a few seconds.
+    assert time.perf_counter() - started < 20
 
 
 @pytest.mark.parametrize(
