@@ -163,7 +163,10 @@ def test_a_resume_into_rebuilt_buckets_reduces_its_first_step_uncompressed(
 
 
 def test_another_world_size_takes_the_shared_powersgd_state(
-    powersgd: tuple[Path, list[dict[str, Any]]], trainer_core_log: list[str], tmp_path: Path
+    powersgd: tuple[Path, list[dict[str, Any]]],
+    trainer_core_log: list[str],
+    tmp_path: Path,
+    no_process_group_left_behind: None,
 ) -> None:
     """The 2-rank checkpoint resumed by one process: the iteration and the generator, no error feedback."""
     folder = powersgd[0]
@@ -194,7 +197,7 @@ def test_another_world_size_takes_the_shared_powersgd_state(
 
 # ---------------------------------------------------------------------- one process
 def test_at_world_size_one_the_log_says_the_hook_does_not_run(
-    trainer_core_log: list[str], tmp_path: Path
+    trainer_core_log: list[str], tmp_path: Path, no_process_group_left_behind: None
 ) -> None:
     from comm_hook_job import calls
 

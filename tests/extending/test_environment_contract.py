@@ -245,8 +245,11 @@ class _StartsItsOwn(ClusterEnvironment):
 
 
 def test_the_guard_stops_the_trainer_and_each_launcher_before_anything_starts(
-    clean_env: pytest.MonkeyPatch,
+    clean_env: pytest.MonkeyPatch, no_process_group_left_behind: None
 ) -> None:
+    # A process group an earlier in-process run of this pytest worker left would mean "already launched".
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     # Without the variable the same Trainer is built: the process the user started may launch.
     assert Trainer(devices=2, plugins=[_StartsItsOwn()], logger=False).world_size == 2
     clean_env.setenv(LAUNCHED_VARIABLE, "4242")
