@@ -105,8 +105,12 @@ class Agents:
         except subprocess.TimeoutExpired:
             return None
 
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.folder.glob("*.log")))
+    def logs(self, tail: Optional[int] = 4000) -> str:
+        """Each agent's log, its last ``tail`` characters (``None``: all of it, for searching)."""
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text()[-tail if tail else 0 :]}"
+            for p in sorted(self.folder.glob("*.log"))
+        )
 
     def close(self) -> None:
         for proc, log in self.procs:
@@ -166,7 +170,8 @@ def run_standalone(folder: Path, *job_args: str, restarts: int = 2, timeout: flo
         code = agents.wait(proc, time.monotonic() + timeout)
     finally:
         agents.close()
-    return (-1 if code is None else code), agents.logs()
+    # The whole output: a message searched for may lie before the tail a failure shows.
+    return (-1 if code is None else code), agents.logs(tail=None)
 
 
 def emulated_ddp_weights(
@@ -223,7 +228,9 @@ def test_restarts_resume_by_themselves_and_end_with_the_uninterrupted_weights(tm
     assert resumed_steps(evs) == {0: {0}, 1: {0}, 2: {6}}
     assert sorted(e["step"] for e in first(evs, "loaded")) == [6, 6]
     # The fresh start says so, and why the run looked for a checkpoint at all.
-    assert "restart 1 of this job by torchrun" in logs and "found no complete checkpoint" in logs, logs
+    assert "restart 1 of this job by torchrun" in logs and "found no complete checkpoint" in logs, logs[
+        -8000:
+    ]
     last = first(evs, "step", attempt=2)
     assert sorted({e["step"] for e in last}) == list(range(7, 17))
     assert {e["world"] for e in last} == {2}
@@ -311,7 +318,8 @@ def run_two_agents(folder: Path, run_id: str, fault: str) -> tuple[int, str]:
         code = agents.wait(first_agent, time.monotonic() + 150)
     finally:
         agents.close()
-    return (-1 if code is None else code), agents.logs()
+    # The whole output: a message searched for may lie before the tail a failure shows.
+    return (-1 if code is None else code), agents.logs(tail=None)
 
 
 @pytest.mark.timeout(180)
