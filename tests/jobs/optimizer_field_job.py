@@ -38,7 +38,10 @@ class FieldMixin:
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         # On every rank, as a user writes it: rank 0's goes to the file (the others hold no state of the optimizer).
-        return {**super().optimizer_state(optimizer), FIELD: torch.tensor([self.lightning_module.global_step])}
+        return {
+            **super().optimizer_state(optimizer),
+            FIELD: torch.tensor([self.lightning_module.global_step]),
+        }
 
     def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
         self.loaded.append(state_dict.get(FIELD))
