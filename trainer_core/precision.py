@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
+from lightning_utilities.core.overrides import is_overridden
 from torch import Tensor, nn
 from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
@@ -100,12 +101,12 @@ class Precision:
     @property
     def forward_context_needed(self) -> bool:
         """Whether :meth:`forward_context` does anything: ``False`` here, the loop then enters none per step."""
-        return type(self).forward_context is not Precision.forward_context
+        return is_overridden("forward_context", self, Precision)
 
     @property
     def input_conversion_needed(self) -> bool:
         """Whether :meth:`convert_input` changes batches (otherwise the loop does not call it)."""
-        return type(self).convert_input is not Precision.convert_input
+        return is_overridden("convert_input", self, Precision)
 
     @property
     def custom_backward(self) -> bool:
