@@ -670,15 +670,17 @@ def with_distributed_sampler(loader: DataLoader, kind: str, num_replicas: int, r
 
     Training shuffles if the user's loader did (seeded from ``seed_everything``, reshuffled per
     epoch through ``set_epoch``); evaluation keeps the order; prediction gives each sample to one
-    rank only. A loader with a custom sampler or batch sampler is left alone. Unlike Lightning, which
+    rank only. A loader with a custom sampler is left alone; a custom batch sampler is made again around
+    the rank's sampler, as Lightning does (``_rebuilt_batch_sampler``). Unlike Lightning, which
     shuffles every distributed training loader, a loader the user did not shuffle stays in order, so
     that a run on several processes sees the batches one process would.
     """
-    sampler = loader.sampler
+    batch_sampler = loader.batch_sampler
+    custom = batch_sampler is not None and type(batch_sampler).__name__ != "BatchSampler"
+    # A batch sampler of the user's own draws from the sampler it was given (the loader's is a placeholder).
+    sampler = getattr(batch_sampler, "sampler", loader.sampler) if custom else loader.sampler
     shuffled = is_random_sampler(sampler)
     if isinstance(sampler, DistributedSampler) or not (shuffled or isinstance(sampler, SequentialSampler)):
-        return loader
-    if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
         return loader
     dataset = loader.dataset
     if kind == "predict":
@@ -692,22 +694,57 @@ def with_distributed_sampler(loader: DataLoader, kind: str, num_replicas: int, r
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
             drop_last=loader.drop_last if kind == "train" else False,
         )
+    if custom:
+        rebuilt = _rebuilt_batch_sampler(batch_sampler, new_sampler, kind)
+        return loader if rebuilt is None else loader_with_sampler(loader, new_sampler, batch_sampler=rebuilt)
     return loader_with_sampler(loader, new_sampler)
 
 
-def loader_with_sampler(loader: DataLoader, sampler: Sampler) -> DataLoader:
+def _rebuilt_batch_sampler(batch_sampler: Any, sampler: Sampler, kind: str) -> Any:
+    """The user's batch sampler, of its own class, around this rank's ``sampler`` (Lightning's rule).
+
+    A class that follows torch's ``BatchSampler(sampler, batch_size, drop_last)`` is made again with the
+    rank's sampler; another cannot be split, which is an error (prediction keeps it, with a warning).
+    """
+    cls = type(batch_sampler)
+    problem = None
+    if hasattr(batch_sampler, "batch_size") and hasattr(batch_sampler, "drop_last"):
+        drop_last = False if kind == "predict" else batch_sampler.drop_last
+        try:
+            return cls(sampler, batch_size=batch_sampler.batch_size, drop_last=drop_last)
+        except TypeError as error:
+            problem = f"`{cls.__name__}(sampler, batch_size=..., drop_last=...)` failed ({error})"
+    else:
+        problem = f"`{cls.__name__}` has no `batch_size` and `drop_last`, as torch's `BatchSampler` does"
+    if kind == "predict":
+        rank_zero_warn(
+            f"The predict dataloader's batch sampler {problem}: every process predicts all its batches."
+        )
+        return None
+    raise MisconfigurationException(
+        f"The {kind} dataloader's batch sampler cannot be given each process's part of the data: {problem}. "
+        f"Make `{cls.__name__}` take `(sampler, batch_size, drop_last)` like torch's `BatchSampler`, or set "
+        "`Trainer(use_distributed_sampler=False)` and split the data across processes in the batch sampler."
+    )
+
+
+def loader_with_sampler(loader: DataLoader, sampler: Sampler, batch_sampler: Any = None) -> DataLoader:
     """A copy of ``loader`` (batch size, workers, collate function, ...) that draws its indices from ``sampler``.
 
-    For a loader with torch's own ``BatchSampler``; the distributed split and ``Trainer(overfit_batches=...)``
-    (which turns shuffling off) build their loaders here.
+    For a loader with torch's own ``BatchSampler``, or with ``batch_sampler`` (a user's own, made again
+    around ``sampler``); the distributed split and ``Trainer(overfit_batches=...)`` (which turns
+    shuffling off) build their loaders here.
     """
+    batching: dict[str, Any] = (
+        dict(batch_sampler=batch_sampler)
+        if batch_sampler is not None
+        else dict(batch_size=loader.batch_size, sampler=sampler, drop_last=loader.drop_last)
+    )
     kwargs: dict[str, Any] = dict(
-        batch_size=loader.batch_size,
-        sampler=sampler,
+        **batching,
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
         generator=loader.generator,

@@ -11,6 +11,7 @@ from lightning_utilities.core.overrides import is_overridden
 from trainer_core.datamodule import LightningDataModule
 from trainer_core.errors import MisconfigurationException
 from trainer_core.utilities import rank_zero_warn
+from trainer_core.utilities.combined_loader import CombinedLoader, is_single_iterable
 
 if TYPE_CHECKING:
     from trainer_core.run_state import RunState
@@ -23,24 +24,24 @@ _KIND_HOOK = {
 }
 
 
-def resolve_dataloaders(trainer: RunState, kind: str, given: Any) -> list[Any]:
-    """The dataloaders of ``kind``: given to the entry point, else the datamodule's, else the module's."""
+def _request(trainer: RunState, kind: str, given: Any) -> Any:
+    """What the stage reads: given to the entry point, else the datamodule's hook, else the module's."""
     hook = _KIND_HOOK[kind]
-    if given is None:
-        datamodule = trainer.datamodule
-        if datamodule is not None and is_overridden(hook, datamodule, LightningDataModule):
-            given = getattr(datamodule, hook)()
-        elif datamodule is not None and kind == "train":
-            raise MisconfigurationException(
-                f"{type(datamodule).__name__} does not define `train_dataloader`, which `fit` needs."
-            )
-        else:
-            given = trainer.hook_runner.call_module(hook)
-    loaders = list(given) if isinstance(given, (list, tuple)) else [given]
-    if kind == "train" and len(loaders) != 1:
+    if given is not None:
+        return given
+    datamodule = trainer.datamodule
+    if datamodule is not None and is_overridden(hook, datamodule, LightningDataModule):
+        return getattr(datamodule, hook)()
+    if datamodule is not None and kind == "train":
         raise MisconfigurationException(
-            f"fit: training takes one dataloader, got {len(loaders)}; combine them into one dataset or loader."
+            f"{type(datamodule).__name__} does not define `train_dataloader`, which `fit` needs."
         )
+    return trainer.hook_runner.call_module(hook)
+
+
+def _prepared(trainer: RunState, kind: str, loaders: list[Any]) -> list[Any]:
+    """Each loader checked, put in order under ``overfit_batches``, and given the plugin's sampler."""
+    hook = _KIND_HOOK[kind]
     for loader in loaders:
         if not hasattr(loader, "__iter__"):
             raise MisconfigurationException(
@@ -51,6 +52,56 @@ def resolve_dataloaders(trainer: RunState, kind: str, given: Any) -> list[Any]:
     return [
         trainer.plugin.process_dataloader(loader, kind, trainer.use_distributed_sampler) for loader in loaders
     ]
+
+
+def resolve_train_dataloader(trainer: RunState, given: Any) -> tuple[Any, Any]:
+    """The training data as the loop reads it, and as ``trainer.train_dataloader`` shows it.
+
+    One loader is read as it is. A list, tuple or dict of loaders (nested too) is read through
+    ``CombinedLoader(..., "max_size_cycle")`` and a ``CombinedLoader`` in its own mode, as Lightning
+    does; each of their loaders gets the plugin's sampler, and the Trainer shows their structure.
+    """
+    given = _request(trainer, "train", given)
+    if not isinstance(given, CombinedLoader) and is_single_iterable(given):
+        (loader,) = _prepared(trainer, "train", [given])
+        return loader, loader
+    combined = given if isinstance(given, CombinedLoader) else CombinedLoader(given, "max_size_cycle")
+    if combined.mode == "sequential":
+        raise MisconfigurationException(
+            'fit: training cannot read a CombinedLoader(mode="sequential"); use "min_size", "max_size_cycle" '
+            'or "max_size".'
+        )
+    combined.flattened = _prepared(trainer, "train", combined.flattened)
+    return combined, combined.iterables
+
+
+def resolve_stage_dataloaders(trainer: RunState, kind: str, given: Any) -> tuple[list[Any], Any]:
+    """An evaluation stage's loaders, each with its own ``dataloader_idx``, and the structure the Trainer shows.
+
+    A list or tuple gives one loader per entry, as does a ``CombinedLoader(mode="sequential")`` (its
+    flattened loaders); a ``CombinedLoader`` in another mode is one loader whose batches combine those
+    of its loaders (prediction takes only the sequential mode, as in Lightning).
+    """
+    given = _request(trainer, kind, given)
+    if isinstance(given, CombinedLoader):
+        if given.mode == "sequential":
+            given.flattened = _prepared(trainer, kind, given.flattened)
+            return list(given.flattened), given.iterables
+        if kind == "predict":
+            raise MisconfigurationException(
+                f'predict: a CombinedLoader(mode={given.mode!r}) cannot be predicted on; use mode="sequential".'
+            )
+        given.flattened = _prepared(trainer, kind, given.flattened)
+        return [given], given.iterables
+    loaders = _prepared(trainer, kind, list(given) if isinstance(given, (list, tuple)) else [given])
+    return loaders, loaders[0] if len(loaders) == 1 else loaders
+
+
+def resolve_dataloaders(trainer: RunState, kind: str, given: Any) -> list[Any]:
+    """The loaders of ``kind`` (the training data as one loader or ``CombinedLoader``)."""
+    if kind == "train":
+        return [resolve_train_dataloader(trainer, given)[0]]
+    return resolve_stage_dataloaders(trainer, kind, given)[0]
 
 
 def _in_order(trainer: RunState, loader: Any, kind: str) -> Any:
@@ -85,13 +136,26 @@ def _in_order(trainer: RunState, loader: Any, kind: str) -> Any:
 
 
 def num_batches(loader: Any, limit: Union[int, float], name: str) -> Union[int, float]:
-    """Batches to draw from ``loader`` under ``limit`` (a number of batches or a fraction)."""
+    """Batches to draw from ``loader`` under ``limit`` (a number of batches or a fraction).
+
+    A ``CombinedLoader`` takes the limit for each of its loaders (Lightning's rule), and draws as many
+    batches as its mode makes of those.
+    """
+    if isinstance(loader, CombinedLoader):
+        loader.limits = [num_batches(dl, limit, name) for dl in loader.flattened]
+        return _length(loader)
+    length = _length(loader)
+    return min(length, limit) if isinstance(limit, int) else _fraction(length, limit, name)
+
+
+def _length(loader: Any) -> Union[int, float]:
     try:
-        length: Union[int, float] = len(loader)
+        return len(loader)
     except (TypeError, NotImplementedError):
-        length = float("inf")
-    if isinstance(limit, int):
-        return min(length, limit)
+        return float("inf")
+
+
+def _fraction(length: Union[int, float], limit: float, name: str) -> Union[int, float]:
     if limit == 1.0:
         return length
     if math.isinf(length):

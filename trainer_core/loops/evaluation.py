@@ -16,13 +16,15 @@ from torch.utils.data import DataLoader
 
 from trainer_core.callback_queries import prediction_writer_intervals
 from trainer_core.checkpoint.restore import restore_checkpoint
+from trainer_core.datamodule import log_stage_hyperparameters
 from trainer_core.errors import MisconfigurationException
 from trainer_core.hooks import check_dataloader_idx, step_caller
-from trainer_core.loops.data import batch_mover, num_batches, resolve_dataloaders
+from trainer_core.loops.data import batch_mover, num_batches, resolve_stage_dataloaders
 from trainer_core.module import LightningModule
 from trainer_core.profilers.base import profiled, profiled_iter
 from trainer_core.results import ResultCollection
 from trainer_core.utilities import rank_zero_warn
+from trainer_core.utilities.combined_loader import CombinedLoader
 
 if TYPE_CHECKING:
     from trainer_core.run_state import RunState
@@ -65,6 +67,8 @@ def run_loop(
         loop_name = "[_PredictionLoop]" if prefix == "predict" else "[_EvaluationLoop]"
         fetch_action = f"{loop_name}.{'val' if prefix == 'validation' else prefix}_next"
     predicting = prefix == "predict"
+    # ``trainer.predict_loop.current_batch_indices``: kept up to date only for a writer that writes per batch.
+    track_indices = predicting and trainer.predict_loop.tracks_current_batch
 
     # Lightning's rule: each submodule gets its own mode back (a frozen backbone the user put in eval mode stays
     # there), unless the module overrides the hook that puts it back in training mode.
@@ -83,7 +87,10 @@ def run_loop(
     if predicting:
         # What prediction writers read at the epoch's end (trainer.predict_loop.predictions).
         trainer.predict_loop.outputs = outputs
-    with torch.inference_mode() if trainer.inference_mode else torch.no_grad():
+    # Validation inside fit runs under no_grad, as in Lightning: a callback may change the module's tensors at
+    # its end (ModelPruning adds masks), and tensors made under inference_mode cannot join training's autograd.
+    inference = trainer.inference_mode and trainer.state_stage != "fit"
+    with torch.inference_mode() if inference else torch.no_grad():
         runner.call(f"on_{prefix}_epoch_start")
         for dl_idx, loader in enumerate(loaders):
             extra = (dl_idx,) if multiple else ()
@@ -94,8 +101,14 @@ def run_loop(
             limit = limits[dl_idx]
             if limit == 0:
                 continue
-            batches = loader if profiler is None else profiled_iter(profiler, fetch_action, iter(loader))
+            batches = _batches_of(loader)
+            if profiler is not None:
+                batches = profiled_iter(profiler, fetch_action, iter(batches))
             for batch_idx, batch in enumerate(batches):
+                if track_indices:
+                    trainer.predict_loop.current_batch_indices = (
+                        trainer.predict_loop.batch_indices(dl_idx, batch_idx) or []
+                    )
                 if move is not None:
                     batch = move(batch, dl_idx)
                 if results is not None:
@@ -133,6 +146,13 @@ def run_loop(
     return results.per_dataloader(epoch_metrics, len(loaders))
 
 
+def _batches_of(loader: Any) -> Any:
+    """The batches of one of a stage's loaders: a CombinedLoader's (in a mode other than sequential) without their indices."""
+    if isinstance(loader, CombinedLoader):
+        return (batch for batch, _, _ in loader)
+    return loader
+
+
 def _restore_modes(modes: Optional[list[tuple[torch.nn.Module, bool]]]) -> None:
     for submodule, training in modes or ():
         submodule.training = training
@@ -153,10 +173,10 @@ def run_evaluation(
         else ("test", "test", "limit_test_batches")
     )
     _restore_weights(trainer, ckpt_path)
-    loaders = resolve_dataloaders(trainer, kind, dataloaders)
+    log_stage_hyperparameters(trainer)
+    loaders, shown = resolve_stage_dataloaders(trainer, kind, dataloaders)
     limit = getattr(trainer, limit_name)
     limits = [num_batches(dl, limit, limit_name) for dl in loaders]
-    shown = loaders[0] if len(loaders) == 1 else loaders
     if stage == "validate":
         trainer.val_dataloaders, trainer.num_val_batches = shown, limits
     else:
@@ -178,9 +198,9 @@ def run_predict(
 ) -> Optional[list[Any]]:
     """``trainer.predict``: ``predict_step`` over the data; the predictions (a list per dataloader if several)."""
     _restore_weights(trainer, ckpt_path)
-    loaders = resolve_dataloaders(trainer, "predict", dataloaders)
+    log_stage_hyperparameters(trainer)
+    loaders, trainer.predict_dataloaders = resolve_stage_dataloaders(trainer, "predict", dataloaders)
     limits = [num_batches(dl, trainer.limit_predict_batches, "limit_predict_batches") for dl in loaders]
-    trainer.predict_dataloaders = loaders[0] if len(loaders) == 1 else loaders
     trainer.num_predict_batches = limits
     keep = True if return_predictions is None else return_predictions
     on_batch, on_epoch = prediction_writer_intervals(trainer.callbacks)
@@ -188,6 +208,7 @@ def run_predict(
     # Only a prediction writer needs the samples' indices; without one nothing is recorded.
     recorders = [_record_indices(dl) for dl in loaders] if on_batch or on_epoch else []
     loop.recorders = recorders
+    loop.tracks_current_batch = on_batch and any(recorder is not None for recorder in recorders)
     try:
         # An epoch writer gets every prediction, even when the caller does not want them back.
         predictions = run_loop(trainer, "predict", loaders, limits, keep_predictions=keep or on_epoch)
@@ -211,6 +232,10 @@ class PredictLoop:
         self.outputs: list[list[Any]] = []
         # Per dataloader: the index recorder swapped into its batch sampler, or None (only with a writer).
         self.recorders: list[Optional[IndexRecorder]] = []
+        #: The data-set indices of the batch being predicted (Lightning's name), which a prediction writer
+        #: reads in ``write_on_batch_end``; kept only while a writer writes per batch (else ``[]``).
+        self.current_batch_indices: list[int] = []
+        self.tracks_current_batch = False
 
     @property
     def predictions(self) -> list[Any]:

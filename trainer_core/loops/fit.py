@@ -25,12 +25,19 @@ from trainer_core.checkpoint.restore import (
 from trainer_core.checkpoint.rng import apply_rng_states, collect_rng_states
 from trainer_core.datamodule import hyperparameters_to_log
 from trainer_core.errors import MisconfigurationException
-from trainer_core.loops.data import batch_mover, num_batches, resolve_dataloaders, with_last_flag
+from trainer_core.loops.data import (
+    batch_mover,
+    num_batches,
+    resolve_stage_dataloaders,
+    resolve_train_dataloader,
+    with_last_flag,
+)
 from trainer_core.loops.evaluation import run_loop
 from trainer_core.loops.schedulers import update_lr_schedulers
 from trainer_core.loops.training_step import TrainingStep
 from trainer_core.profilers.base import profiled, profiled_iter
 from trainer_core.utilities import rank_zero_warn
+from trainer_core.utilities.combined_loader import CombinedLoader, is_stateful
 from trainer_core.utilities.compiled_names import plain_named_parameters
 
 if TYPE_CHECKING:
@@ -38,6 +45,8 @@ if TYPE_CHECKING:
     from trainer_core.signals import PreemptionHandler
 
 _EXHAUSTED = object()
+# torchdata's StatefulDataLoader: the key of its state that says its pass over the data has ended.
+_TORCHDATA_ENDED = "_iterator_finished"
 
 
 class FitLoop:
@@ -52,6 +61,9 @@ class FitLoop:
         self.train_source = train_source
         self.val_source = val_source
         self.ckpt_path = ckpt_path
+        # What the training epochs read: the one training loader, or a CombinedLoader of several
+        # (``trainer.train_dataloader`` shows their structure, as Lightning's does).
+        self.train_loader: Any = None
         # The validation loaders of this fit (empty: no validation; None: not made yet).
         self.val_loaders: Optional[list[Any]] = None
         # The pre-emption signal record while the loop runs in the main thread (trainer_core.signals).
@@ -118,6 +130,7 @@ class FitLoop:
             t.train_dataloader = None
         self.setup_train_dataloader()
         if resumed_at_reload:
+            self._first_pass_of_reloaded_loader()
             progress.paused_rng = collect_rng_states()
         if every and self._reload_due(progress.train_loader_epoch):
             # The loader just made is the one the first epoch would have reloaded.
@@ -144,12 +157,12 @@ class FitLoop:
         t = self.trainer
         if t.train_dataloader is not None:
             return
-        (loader,) = resolve_dataloaders(t, "train", self.train_source)
+        loader, t.train_dataloader = resolve_train_dataloader(t, self.train_source)
+        self.train_loader = loader
         resume = t.progress.resume
         seed = resume.sampler_seed
         if seed is not None and isinstance(getattr(getattr(loader, "sampler", None), "seed", None), int):
             loader.sampler.seed = seed
-        t.train_dataloader = loader
         if resume.samples_done is not None:
             resume_batch_at_another_world_size(t.progress, t.plugin, loader)
         t.num_training_batches = num_batches(loader, t.limit_train_batches, "limit_train_batches")
@@ -169,19 +182,28 @@ class FitLoop:
         else:
             t.val_check_batch = max(1, int(t.num_training_batches * t.val_check_interval))
 
+    def _first_pass_of_reloaded_loader(self) -> None:
+        """A pass started and dropped, as Lightning's of a training loader reloaded after the first epoch.
+
+        Lightning starts one when it makes the loader and another as the epoch begins; the first moves
+        the global RNG (a DataLoader draws its workers' seed), so the epoch shuffles as under Lightning
+        only if that pass is started here too (and in a run resumed at that epoch).
+        """
+        iter(self.train_loader)
+
     def _setup_val(self) -> list[Any]:
         t = self.trainer
         if t.limit_val_batches == 0:
             t.val_dataloaders, t.num_val_batches = [], []
             return []
-        loaders = resolve_dataloaders(t, "val", self.val_source)
+        loaders, shown = resolve_stage_dataloaders(t, "val", self.val_source)
         loaders = [dl for dl in loaders if dl is not None]
         if loaders and not t.plugin.defines_step("validation_step"):
             rank_zero_warn(
                 "Validation data was given but the module has no `validation_step`; validation is skipped."
             )
             loaders = []
-        t.val_dataloaders = loaders[0] if len(loaders) == 1 else loaders
+        t.val_dataloaders = shown if loaders else []
         t.num_val_batches = [num_batches(dl, t.limit_val_batches, "limit_val_batches") for dl in loaders]
         progress = t.progress
         if (
@@ -293,21 +315,16 @@ class FitLoop:
             # Before the epoch's hooks and set_epoch, as Lightning reloads.
             t.train_dataloader = None
             self.setup_train_dataloader()
+            self._first_pass_of_reloaded_loader()
             progress.train_loader_epoch = progress.current_epoch
             self._fresh_train_loader = True
         if self.val_loaders is None and self._validates_this_epoch():
             self.val_loaders = self._setup_val()
         val_loaders = self.val_loaders or []
-        loader = t.train_dataloader
-        sampler = getattr(loader, "sampler", None)
-        if callable(getattr(sampler, "set_epoch", None)):
-            sampler.set_epoch(progress.current_epoch)
-        batch_sampler = getattr(loader, "batch_sampler", None)
-        if (
-            callable(getattr(getattr(batch_sampler, "sampler", None), "set_epoch", None))
-            and batch_sampler.sampler is not sampler
-        ):
-            batch_sampler.sampler.set_epoch(progress.current_epoch)
+        loader = self.train_loader
+        combined = isinstance(loader, CombinedLoader)
+        for each in loader.flattened if combined else (loader,):
+            _set_sampler_epoch(each, progress.current_epoch)
 
         module.train()
         runner.call("on_train_epoch_start")
@@ -322,7 +339,7 @@ class FitLoop:
         move = batch_mover(t)
         batch_start = hooks.on_train_batch_start
         batch_end = hooks.on_train_batch_end
-        log_every = t.log_every_n_steps
+        log_every = t.log_every_n_steps or math.inf  # 0 (barebones): never
         acc = t.accumulate_grad_batches
         automatic = module.automatic_optimization
         val_enabled = bool(val_loaders)
@@ -341,6 +358,8 @@ class FitLoop:
             preemption.arm()
 
         iterator = self._start_epoch_iterator(loader, start)
+        if combined:
+            iterator = _batches_only(iterator)
         if profiler is not None:
             iterator = profiled_iter(profiler, "[_TrainingEpochLoop].train_dataloader_next", iterator)
         if (
@@ -432,9 +451,7 @@ class FitLoop:
         resume_rng = progress.paused_rng
         progress.paused_rng = None
         fresh, self._fresh_train_loader = self._fresh_train_loader, False
-        stateful = callable(getattr(loader, "load_state_dict", None)) and callable(
-            getattr(loader, "state_dict", None)
-        )
+        stateful = _keeps_position(loader)
         if resume_rng is None:
             progress.epoch_start_rng = collect_rng_states()
             if stateful and followed_an_epoch:
@@ -442,8 +459,7 @@ class FitLoop:
                 # one that loaded a state draws from the global RNG unlike one that did not. A resumed
                 # run loads the saved state at an epoch's start, so the run that never stopped does
                 # the same with its own: both then draw alike.
-                loader.load_state_dict(loader.state_dict())
-                return _epoch_of_stateful_loader(loader)
+                return _new_epoch_from(loader, loader.state_dict())
             return iter(loader)
         loader_state = resume.dataloader_state
         resume.dataloader_state = None
@@ -456,8 +472,7 @@ class FitLoop:
             if stateful:
                 # A loader made anew for this epoch (reload_dataloaders_every_n_epochs) starts from its
                 # own state, as it did in the saved run: the saved state is the previous loader's.
-                loader.load_state_dict(loader.state_dict() if fresh else loader_state)
-                return _epoch_of_stateful_loader(loader)
+                return _new_epoch_from(loader, loader.state_dict() if fresh else loader_state)
             return iter(loader)
         if resume.epoch_rng is not None:
             apply_rng_states(resume.epoch_rng)
@@ -538,6 +553,55 @@ class FitLoop:
         results.reset_torchmetrics()
         for lg in t.loggers:
             lg.save()
+
+
+def _batches_only(combined: Iterator[tuple[Any, int, int]]) -> Iterator[Any]:
+    """The batches of a CombinedLoader already started (``iter`` again would start it over)."""
+    while True:
+        try:
+            batch, _, _ = next(combined)
+        except StopIteration:
+            return
+        yield batch
+
+
+def _set_sampler_epoch(loader: Any, epoch: int) -> None:
+    """``set_epoch`` on the loader's sampler and on its batch sampler's (a DistributedSampler reshuffles by it)."""
+    sampler = getattr(loader, "sampler", None)
+    if callable(getattr(sampler, "set_epoch", None)):
+        sampler.set_epoch(epoch)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    inner = getattr(batch_sampler, "sampler", None)
+    if callable(getattr(inner, "set_epoch", None)) and inner is not sampler:
+        inner.set_epoch(epoch)
+
+
+def _keeps_position(loader: Any) -> bool:
+    """Whether checkpoints hold where ``loader`` stands (a CombinedLoader: where each of its loaders does)."""
+    if isinstance(loader, CombinedLoader):
+        return all(is_stateful(each) for each in loader.flattened)
+    return is_stateful(loader)
+
+
+def _new_epoch_from(loader: Any, state: Any) -> Iterator[Any]:
+    """The iterator of an epoch that starts from ``state``, a stateful loader's state taken at an epoch's end.
+
+    Each loader starts its next pass, as Lightning's ``iter`` of each does: torchdata's state is marked
+    as ended, so that a loader the epoch stopped before its end (``limit_train_batches``, the longer
+    loader under ``min_size``) starts over too, instead of going on where it stood.
+    """
+    if not isinstance(loader, CombinedLoader):
+        loader.load_state_dict(_as_ended(state))
+        return _epoch_of_stateful_loader(loader)
+    states = [_as_ended(each) for each in state.get("loaders", [])]
+    loader.load_state_dict({"loaders": states})
+    return iter(loader)
+
+
+def _as_ended(state: Any) -> Any:
+    if isinstance(state, dict) and _TORCHDATA_ENDED in state:
+        return {**state, _TORCHDATA_ENDED: True}
+    return state
 
 
 def _epoch_of_stateful_loader(loader: Any) -> Iterator[Any]:

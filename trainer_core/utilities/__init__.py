@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Optional
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -16,8 +17,11 @@ from lightning_utilities.core.rank_zero import (
 )
 from torch import nn
 
+from trainer_core.utilities.combined_loader import CombinedLoader
+
 __all__ = [
     "AttributeDict",
+    "CombinedLoader",
     "as_list",
     "cli_lightning_logo",
     "extract_batch_size",
@@ -84,24 +88,29 @@ def move_data_to_device(batch: Any, device: torch.device) -> Any:
 
 
 def extract_batch_size(batch: Any) -> int:
-    """The size of the first dimension of the first tensor found in ``batch`` (1 if none)."""
+    """The size of the first dimension of the first tensor found in ``batch`` (1 if none).
+
+    As Lightning's: other values (``None`` for a loader that has ended under ``CombinedLoader(mode="max_size")``,
+    strings, numbers) are passed over, so that ``{"name": "a", "x": x}`` has ``len(x)`` samples.
+    """
+    size = _first_tensor_size(batch)
+    return 1 if size is None else size
+
+
+def _first_tensor_size(batch: Any) -> Optional[int]:
     if isinstance(batch, torch.Tensor):
         return 1 if batch.ndim == 0 else batch.size(0)
-    if isinstance(batch, str):
-        return len(batch)
     if isinstance(batch, Mapping):
-        for value in batch.values():
-            size = extract_batch_size(value)
-            if size:
-                return size
-        return 1
-    if isinstance(batch, (list, tuple)):
-        for value in batch:
-            size = extract_batch_size(value)
-            if size:
-                return size
-        return 1
-    return 1
+        batch = batch.values()
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        batch = [getattr(batch, field.name) for field in dataclasses.fields(batch)]
+    elif isinstance(batch, str) or not isinstance(batch, Iterable):
+        return None
+    for value in batch:
+        size = _first_tensor_size(value)
+        if size is not None:
+            return size
+    return None
 
 
 def to_float(value: Any) -> float:
