@@ -17,6 +17,7 @@ from trainer_core.callbacks.model_summary import ModelSummary, RichModelSummary
 from trainer_core.callbacks.on_exception_checkpoint import OnExceptionCheckpoint
 from trainer_core.callbacks.prediction_writer import BasePredictionWriter
 from trainer_core.callbacks.progress import ProgressBar, TQDMProgressBar
+from trainer_core.callbacks.pruning import ModelPruning
 from trainer_core.callbacks.rich_progress import RichProgressBar
 from trainer_core.callbacks.stochastic_weight_avg import StochasticWeightAveraging
 from trainer_core.callbacks.straggler import StragglerMonitor
@@ -39,6 +40,7 @@ __all__ = [
     "LearningRateFinder",
     "LearningRateMonitor",
     "ModelCheckpoint",
+    "ModelPruning",
     "ModelSummary",
     "OnExceptionCheckpoint",
     "ProgressBar",
