@@ -7,11 +7,17 @@ Lightning 2.x's arguments and attributes (``best_model_path``, ``best_model_scor
   delete what the run it continues wrote), never the one the run resumed from: two runs sharing a
   folder, local or on an object store, never remove each other's files. A name another run already
   used gets a version suffix (``-v1``) instead of being overwritten.
-* ``save_last="link"`` makes ``last.ckpt`` point at the checkpoint just written instead of writing
+* ``save_last="link"`` makes ``last.ckpt`` point at the checkpoint written last instead of writing
   the run a second time: a relative symlink on local disk, a server-side copy published with its
-  commit marker on object stores (which have no links). When no top-k checkpoint was written at
-  this step, ``last.ckpt`` is written in full, so it always holds the newest state.
+  commit marker on object stores (which have no links).
 * A checkpoint a newer one replaces is deleted only after ``last.ckpt`` no longer points at it.
+
+When ``last.ckpt`` is written is Lightning 2.6's rule, so that a program resuming from it resumes
+at the epoch it does under Lightning: with every save of ``every_n_train_steps`` /
+``train_time_interval``; at an epoch's end (or its validation's) only when a checkpoint was saved
+at that step (with ``"link"``: whenever one was ever saved, pointing at it); and at the end of
+training when nothing was saved before. Automatic restarts lose nothing by it: they resume from the
+newest complete checkpoint of the folder, whatever its name.
 
 Sharded checkpoints (folders written by ``DistributedCheckpointIO``) are handled like files.
 """
@@ -54,9 +60,11 @@ class ModelCheckpoint(Callback):
             ``<default_root_dir>/checkpoints``.
         filename: template such as ``"{epoch}-{val_loss:.2f}"``; default ``"{epoch}-{step}"``.
         monitor: metric that ranks checkpoints; ``None`` keeps the latest.
-        save_last: ``True`` also writes ``last.ckpt`` at every save; ``"link"`` points it at the
-            checkpoint just written (symlink locally, server-side copy on object stores).
+        save_last: ``True`` also writes ``last.ckpt`` whenever a checkpoint is saved (Lightning's
+            rule, above); ``"link"`` points it at the checkpoint written last (symlink locally,
+            server-side copy on object stores).
         save_top_k: how many ranked checkpoints to keep (``-1`` all, ``0`` none).
+        save_on_exception: when an exception stops the run, save it as it stands (and ``last``).
         auto_insert_metric_name: ``"{epoch}"`` becomes ``"epoch=3"`` (``False``: ``"3"``).
         every_n_train_steps / train_time_interval / every_n_epochs: when to save (at most one);
             without any, after every epoch (after its validation when there is one).
@@ -77,6 +85,7 @@ class ModelCheckpoint(Callback):
         verbose: bool = False,
         save_last: Optional[Union[bool, str]] = None,
         save_top_k: int = 1,
+        save_on_exception: bool = False,
         save_weights_only: bool = False,
         mode: str = "min",
         auto_insert_metric_name: bool = True,
@@ -130,6 +139,7 @@ class ModelCheckpoint(Callback):
         self.verbose = verbose
         self.save_last = save_last
         self.save_top_k = save_top_k
+        self.save_on_exception = save_on_exception
         self.save_weights_only = save_weights_only
         self.mode = mode
         self.auto_insert_metric_name = auto_insert_metric_name
@@ -152,9 +162,8 @@ class ModelCheckpoint(Callback):
         # Lightning's rule: nothing is saved before the first optimizer step, and a step is saved once
         # (so a batch that only accumulates gradients never triggers a step-based save).
         self._last_global_step_saved = 0
-        # The checkpoint written last and at which step: what ``save_last="link"`` points at.
+        # The checkpoint written last: what ``save_last="link"`` points at.
         self._last_checkpoint_saved = ""
-        self._last_checkpoint_step = -1
         self._last_time_checked: Optional[float] = None
         self._validation_ran = False
 
@@ -233,14 +242,37 @@ class ModelCheckpoint(Callback):
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._skip(trainer) and self._should_save_on_train_epoch_end(trainer):
-            self._save(trainer, self._metrics(trainer), topk=self._epoch_due(trainer))
+            self._save(trainer, self._metrics(trainer), topk=self._epoch_due(trainer), last_always=False)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.state_stage != "fit" or trainer.sanity_checking:
             return
         self._validation_ran = True
         if not self._skip(trainer) and not self._should_save_on_train_epoch_end(trainer):
-            self._save(trainer, self._metrics(trainer), topk=self._epoch_due(trainer))
+            self._save(trainer, self._metrics(trainer), topk=self._epoch_due(trainer), last_always=False)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning's rule: a run that saved nothing still ends with its last.ckpt.
+        if self.save_last and not self._last_checkpoint_saved:
+            self._save(trainer, self._metrics(trainer), topk=False)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if (
+            not self.save_on_exception
+            or trainer.fast_dev_run
+            or trainer.sanity_checking
+            or self._last_global_step_saved == trainer.global_step
+        ):
+            return
+        metrics = self._metrics(trainer)
+        # Lightning's rule: the run as the exception left it, under the plain name (overwriting one taken).
+        self._write(trainer, self.format_checkpoint_name(metrics))
+        replaced = self._save_last(trainer, metrics) if self.save_last else []
+        for path in replaced:
+            self._remove(trainer, path)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(self)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -320,15 +352,21 @@ class ModelCheckpoint(Callback):
         return metrics
 
     # ------------------------------------------------------------------ saving
-    def _save(self, trainer: Trainer, metrics: dict[str, Any], topk: bool) -> None:
-        """One save event: the ranked checkpoint if due, then ``last``, then what they replaced."""
+    def _save(self, trainer: Trainer, metrics: dict[str, Any], topk: bool, last_always: bool = True) -> None:
+        """One save event: the ranked checkpoint if due, then ``last``, then what they replaced.
+
+        Without ``last_always`` (an epoch's end), ``last`` follows only a checkpoint saved at this
+        step, or with ``"link"`` any saved before (Lightning's rule).
+        """
         replaced: list[str] = []
         if topk and self.save_top_k != 0:
             if self.monitor is None:
                 replaced = self._save_latest(trainer, metrics)
             else:
                 replaced = self._save_monitored(trainer, metrics)
-        if self.save_last:
+        saved_now = self._last_global_step_saved == trainer.global_step
+        linkable = self.save_last == "link" and bool(self._last_checkpoint_saved)
+        if self.save_last and (last_always or saved_now or linkable):
             replaced += self._save_last(trainer, metrics)
         for path in replaced:
             self._remove(trainer, path)
@@ -416,14 +454,10 @@ class ModelCheckpoint(Callback):
         )
         self.last_model_path = filepath
         target = self._last_checkpoint_saved
-        if (
-            self.save_last == "link"
-            and target
-            and self._last_checkpoint_step == trainer.global_step
-            and target != filepath
-        ):
-            self._written.add(filepath)
-            self._link(trainer, target, filepath)
+        if self.save_last == "link" and target and self.save_top_k != 0:
+            if target != filepath:  # else it is already the checkpoint written last
+                self._written.add(filepath)
+                self._link(trainer, target, filepath)
         else:
             self._write(trainer, filepath)  # the IO replaces a link at ``filepath`` as it replaces a file
         return [previous] if previous and previous != filepath else []
@@ -433,7 +467,6 @@ class ModelCheckpoint(Callback):
         trainer.save_checkpoint(filepath, weights_only=self.save_weights_only)
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
-        self._last_checkpoint_step = trainer.global_step
 
     def _remove(self, trainer: Trainer, filepath: str) -> None:
         keep = {self.best_model_path, self.last_model_path, *self.best_k_models}
@@ -455,7 +488,6 @@ class ModelCheckpoint(Callback):
             # The IO publishes the link as it publishes a save (an asynchronous IO after its write).
             trainer.plugin.checkpoint_io.link(target, linkpath)
         trainer.plugin.barrier("ModelCheckpoint.link")
-        self._last_global_step_saved = trainer.global_step
 
     # ------------------------------------------------------------------ names
     def format_checkpoint_name(

@@ -9,6 +9,7 @@ callbacks only decide when and how it is shown.
 from __future__ import annotations
 
 import logging
+import random
 from typing import TYPE_CHECKING, Any
 
 from trainer_core.callbacks.base import Callback
@@ -147,7 +148,19 @@ class RichModelSummary(ModelSummary):
 
 def rich_available() -> bool:
     try:
-        import rich  # noqa: F401
+        import_rich_console()
     except ImportError:
         return False
     return True
+
+
+def import_rich_console() -> Any:
+    """``rich.console``, imported without moving Python's ``random``: ``rich.style`` draws 24 bits from it when
+    first imported. Lightning imports rich with itself, before a program seeds; importing it later, at fit, would
+    shift every draw a seeded program makes after that (a sampler's ``random.choices``, say)."""
+    state = random.getstate()
+    try:
+        import rich.console
+    finally:
+        random.setstate(state)
+    return rich.console

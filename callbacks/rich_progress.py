@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
+from trainer_core.callbacks.model_summary import import_rich_console
 from trainer_core.callbacks.progress import ProgressBar
 from trainer_core.errors import MisconfigurationException
 
@@ -24,6 +25,7 @@ _MIN_REDRAW_SECONDS = 0.1
 
 def _import_rich() -> Any:
     try:
+        import_rich_console()
         import rich.progress
     except ImportError as err:
         raise MisconfigurationException(

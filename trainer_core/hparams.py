@@ -7,16 +7,23 @@ module from its checkpoint's hyper-parameters), so it sits below all three and i
 from __future__ import annotations
 
 import copy
+import enum
+import functools
 import inspect
 import os
+import sys
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
+import numpy as np
 from torch import nn
 
 from trainer_core.errors import MisconfigurationException
 from trainer_core.utilities import AttributeDict
 
+#: The YAML tag of a class or function named in an ``hparams.yaml`` (PyYAML's, as Lightning writes it).
+_PYTHON_NAME = "tag:yaml.org,2002:python/name:"
 #: The largest ``hparams_file`` read: loggers write a few KiB, and a pure-Python YAML parse of much more
 #: takes seconds; a file this big is not a file of hyper-parameters.
 MAX_HPARAMS_FILE_BYTES = 2**20
@@ -93,6 +100,90 @@ def _parse_csv(text: str, where: str) -> dict[str, Any]:
     return hparams
 
 
+def hparams_to_yaml(hparams: Mapping[str, Any]) -> str:
+    """``hparams`` as the YAML document Lightning's loggers write in ``hparams.yaml``, nesting kept.
+
+    Lightning's ``yaml.dump``: block style, keys sorted, tuples tagged ``!!python/tuple``, a class or
+    function as a ``!!python/name`` tag, an ``Enum`` by its name, so tools and :func:`_load_hparams_file`
+    read back what was saved. Two deliberate
+    differences: a value YAML cannot hold plainly (a ``functools.partial``, a tensor) is written as its
+    ``repr``, where Lightning writes a ``!!python/object`` tag that no safe reader (nor Lightning's own
+    ``full_load``) builds; and without PyYAML the document is JSON, which is YAML too.
+    """
+    try:
+        import yaml
+    except ImportError:
+        import json
+
+        return json.dumps(dict(hparams), indent=2, sort_keys=True, default=repr)
+    return yaml.dump(dict(hparams), Dumper=_hparams_dumper(), default_flow_style=False, sort_keys=True)
+
+
+@functools.cache
+def _hparams_dumper() -> type:
+    import yaml
+
+    class HparamsDumper(yaml.SafeDumper):
+        """PyYAML's safe dumper with Lightning's tuples, names and enums, and any other object as its ``repr``."""
+
+    HparamsDumper.add_representer(tuple, _represent_tuple)
+    # Every value whose exact type the safe dumper does not know (subclasses included) goes here.
+    HparamsDumper.add_multi_representer(object, _represent_other)
+    return HparamsDumper
+
+
+def _represent_tuple(dumper: Any, value: tuple) -> Any:
+    return dumper.represent_sequence("tag:yaml.org,2002:python/tuple", value)
+
+
+def _represent_other(dumper: Any, value: Any) -> Any:
+    """An ``Enum`` by its name (Lightning's rule), a subclass of a plain type as that type, else the ``repr``."""
+    if isinstance(value, enum.Enum):
+        return dumper.represent_str(value.name)
+    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)):
+        # A class or function by its name (``decoder_class=Decoder``), as Lightning's dumper names it.
+        return dumper.represent_scalar(f"{_PYTHON_NAME}{value.__module__}.{value.__name__}", "")
+    if isinstance(value, tuple):
+        return _represent_tuple(dumper, value)
+    if isinstance(value, np.generic):  # numpy's scalars, as the Python number they hold
+        return dumper.represent_data(value.item())
+    for plain in (dict, list, bool, int, float, str):
+        if isinstance(value, plain):
+            return dumper.represent_data(plain(value))
+    return dumper.represent_str(repr(value))
+
+
+@functools.cache
+def _hparams_loader() -> type:
+    import yaml
+
+    class HparamsLoader(yaml.SafeLoader):
+        """PyYAML's safe loader that also reads Lightning's ``!!python/tuple`` and ``!!python/name`` tags."""
+
+    HparamsLoader.add_constructor(
+        "tag:yaml.org,2002:python/tuple", lambda loader, node: tuple(loader.construct_sequence(node))
+    )
+    HparamsLoader.add_multi_constructor(_PYTHON_NAME, _imported_name)
+    return HparamsLoader
+
+
+def _imported_name(loader: Any, name: str, node: Any) -> Any:
+    """A ``!!python/name:module.attr`` tag as the object, only from a module imported already (PyYAML's
+    ``full_load`` rule, which Lightning reads with): reading the file imports nothing, so runs no code."""
+    import yaml
+
+    module_name, _, attribute = name.rpartition(".")
+    module = sys.modules.get(module_name)
+    if module is None or not hasattr(module, attribute):
+        raise yaml.constructor.ConstructorError(
+            None,
+            None,
+            f"{name!r} names nothing an imported module holds; import its module first",
+            node.start_mark,
+        )
+    return getattr(module, attribute)
+
+
 def _parse_yaml(text: str, where: str) -> Any:
     try:
         import yaml
@@ -110,8 +201,8 @@ def _parse_yaml(text: str, where: str) -> Any:
                 "or pass the hyper-parameters to load_from_checkpoint as keywords."
             ) from None
     try:
-        # safe_load: a hyper-parameter file must not be able to build arbitrary Python objects.
-        return yaml.safe_load(text)
+        # A safe loader: a hyper-parameter file must not be able to build arbitrary Python objects.
+        return yaml.load(text, Loader=_hparams_loader())
     except RecursionError:  # PyYAML composes nested nodes recursively
         raise _too_deep(where) from None
     except yaml.YAMLError as err:

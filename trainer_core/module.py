@@ -340,6 +340,12 @@ class LightningModule(nn.Module):
         trainer = self._trainer
         if trainer is None:
             return
+        if trainer.barebones:
+            rank_zero_warn(
+                f"self.log({name!r}, ...) under Trainer(barebones=True) records nothing: barebones mode turns "
+                "logging off. Drop barebones=True to log."
+            )
+            return
         fx = trainer.hook_runner.current_fx
         if fx is None:
             raise MisconfigurationException(
@@ -608,17 +614,19 @@ class LightningModule(nn.Module):
 
         ``hparams_file`` (``.yaml``/``.yml``, or Lightning's ``.csv`` of ``key,value`` rows) replaces
         the checkpoint's value of every hyper-parameter it names; ``kwargs`` override both.
-        ``strict`` defaults to :attr:`strict_loading`. ``weights_only`` is accepted for Lightning's
-        signature only: a checkpoint is always read without running code from it (a class of your
-        own in it loads once registered with ``register_safe_globals``).
+        ``strict`` defaults to :attr:`strict_loading`. ``weights_only`` is Lightning's: by default the
+        checkpoint is read without running code from it (a class of your own in it loads once
+        registered with ``register_safe_globals``); ``False`` unpickles the whole file, for one you trust.
         """
+        from trainer_core.checkpoint.format import trusted_unpickling
         from trainer_core.checkpoint.restore import load_module_from_checkpoint
 
         if hparams_file is not None:
             kwargs = {**_load_hparams_file(hparams_file), **kwargs}
-        return load_module_from_checkpoint(
-            cls, checkpoint_path, map_location=map_location, strict=strict, **kwargs
-        )
+        with trusted_unpickling(weights_only is False):
+            return load_module_from_checkpoint(
+                cls, checkpoint_path, map_location=map_location, strict=strict, **kwargs
+            )
 
     # ------------------------------------------------------------------ lifecycle hooks (no-ops)
     def on_fit_start(self) -> None: ...

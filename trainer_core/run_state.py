@@ -110,6 +110,8 @@ class CheckpointParts:
     resume_reason: str = ""
     #: Told the path once its weights are loaded (the Trainer records it as ``trainer.ckpt_path``).
     restored_from: Callable[[str], None] = _ignore_path
+    #: ``fit/validate/test/predict(weights_only=False)``: the user trusts ``ckpt_path``, which is unpickled whole.
+    trusted_checkpoint: bool = False
 
 
 class MetricsRunState(Protocol):

@@ -7,6 +7,7 @@ The Trainer owns the loops, the hooks and the checkpoint format; it never touche
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import os
@@ -48,7 +49,7 @@ from trainer_core.optim import LightningOptimizer, LRSchedulerConfig
 from trainer_core.precision import Precision, precision_from
 from trainer_core.profilers import Profiler, is_active, resolve_profiler
 from trainer_core.run_state import CheckpointParts
-from trainer_core.utilities import launcher_restart_count, rank_zero_only, rank_zero_warn
+from trainer_core.utilities import launcher_restart_count, rank_zero_info, rank_zero_only, rank_zero_warn
 from trainer_core.utilities.compile import is_compiled, is_compiled_lightning_module, unwrap_compiled_module
 
 if TYPE_CHECKING:
@@ -108,8 +109,26 @@ class Trainer:
         default_root_dir: Optional[Union[str, os.PathLike]] = None,
         optimizer_in_backward: bool = False,
         profiler: Optional[Union[Profiler, str]] = None,
+        barebones: bool = False,
     ) -> None:
 
+        #: ``Trainer(barebones=True)``: every feature that costs speed is off, to measure the Trainer's own overhead.
+        self.barebones = barebones
+        if barebones:
+            _refuse_with_barebones(
+                enable_checkpointing=enable_checkpointing,
+                logger=logger,
+                enable_progress_bar=enable_progress_bar,
+                log_every_n_steps=log_every_n_steps,
+                enable_model_summary=enable_model_summary,
+                num_sanity_val_steps=num_sanity_val_steps,
+                fast_dev_run=fast_dev_run,
+                detect_anomaly=detect_anomaly,
+                profiler=profiler,
+            )
+            enable_checkpointing = enable_progress_bar = enable_model_summary = logger = False
+            num_sanity_val_steps = 0
+            log_every_n_steps = None  # set to 0 once the config is checked
         # Lightning's ``plugins=[...]``: a training-type plugin, a CheckpointIO, an environment and a
         # Precision, each put where it belongs; everything the user passed is checked before anything starts.
         parts = split_plugins(plugins, strategy, precision)
@@ -152,6 +171,9 @@ class Trainer:
         # Plain attributes under Lightning's names (``trainer.max_steps``...), not properties: the loops
         # read several of them on every step, and the tuner and callbacks change some during a run.
         vars(self).update(config.attributes())
+        if barebones:
+            # Lightning's value: nothing reaches a logger (there is none, and ``self.log`` is off).
+            self.log_every_n_steps = 0
         if self.optimizer_in_backward:
             self._check_optimizer_in_backward()
 
@@ -191,6 +213,8 @@ class Trainer:
         self.datamodule: Optional[LightningDataModule] = None
         self.lightning_module: Optional[LightningModule] = None
         self.ckpt_path: Optional[str] = None
+        # The running entry point's ``weights_only=False``: its ckpt_path may be unpickled whole.
+        self._trusted_ckpt = False
         #: Why ``fit`` resumes although it was given no ``ckpt_path`` (a launcher's restart), for its messages.
         self.resume_reason = ""
         self.fit_loop: Optional[FitLoop] = None
@@ -212,8 +236,18 @@ class Trainer:
         val_dataloaders: Any = None,
         datamodule: Optional[LightningDataModule] = None,
         ckpt_path: Optional[Union[str, os.PathLike]] = None,
+        weights_only: Optional[bool] = None,
     ) -> None:
-        """Train ``model``; with ``ckpt_path`` (a path or ``"last"``), continue the run it saved."""
+        """Train ``model``; with ``ckpt_path`` (a path or ``"last"``), continue the run it saved.
+
+        ``weights_only`` is Lightning's: how ``ckpt_path`` is unpickled. ``None`` (the default) and ``True``
+        read it without running code from it (trainer-core's safe loading, which also takes Lightning's
+        checkpoints and the classes registered with ``register_safe_globals``); a file whose
+        hyper-parameters hold other objects (an ``nn.Module``, a ``functools.partial``) is refused with an
+        error naming it. ``False`` unpickles the whole file, which runs any code it names: only for
+        files you trust.
+        """
+        self._trusted_ckpt = weights_only is False
         model = _check_module(model, "fit")
         if isinstance(train_dataloaders, LightningDataModule):
             datamodule, train_dataloaders = train_dataloaders, None
@@ -239,8 +273,18 @@ class Trainer:
         ckpt_path: Optional[Union[str, os.PathLike]] = None,
         verbose: bool = True,
         datamodule: Optional[LightningDataModule] = None,
+        weights_only: Optional[bool] = None,
     ) -> list[dict[str, float]]:
-        """Run the validation loop once; returns one dict of epoch metrics per dataloader."""
+        """Run the validation loop once; returns one dict of epoch metrics per dataloader.
+
+        ``weights_only`` is Lightning's: how ``ckpt_path`` is unpickled. ``None`` (the default) and ``True``
+        read it without running code from it (trainer-core's safe loading, which also takes Lightning's
+        checkpoints and the classes registered with ``register_safe_globals``); a file whose
+        hyper-parameters hold other objects (an ``nn.Module``, a ``functools.partial``) is refused with an
+        error naming it. ``False`` unpickles the whole file, which runs any code it names: only for
+        files you trust.
+        """
+        self._trusted_ckpt = weights_only is False
         return self._evaluate("validate", model, dataloaders, ckpt_path, verbose, datamodule)
 
     def test(
@@ -250,8 +294,18 @@ class Trainer:
         ckpt_path: Optional[Union[str, os.PathLike]] = None,
         verbose: bool = True,
         datamodule: Optional[LightningDataModule] = None,
+        weights_only: Optional[bool] = None,
     ) -> list[dict[str, float]]:
-        """Run the test loop once; returns one dict of epoch metrics per dataloader."""
+        """Run the test loop once; returns one dict of epoch metrics per dataloader.
+
+        ``weights_only`` is Lightning's: how ``ckpt_path`` is unpickled. ``None`` (the default) and ``True``
+        read it without running code from it (trainer-core's safe loading, which also takes Lightning's
+        checkpoints and the classes registered with ``register_safe_globals``); a file whose
+        hyper-parameters hold other objects (an ``nn.Module``, a ``functools.partial``) is refused with an
+        error naming it. ``False`` unpickles the whole file, which runs any code it names: only for
+        files you trust.
+        """
+        self._trusted_ckpt = weights_only is False
         return self._evaluate("test", model, dataloaders, ckpt_path, verbose, datamodule)
 
     def predict(
@@ -261,8 +315,18 @@ class Trainer:
         datamodule: Optional[LightningDataModule] = None,
         return_predictions: Optional[bool] = None,
         ckpt_path: Optional[Union[str, os.PathLike]] = None,
+        weights_only: Optional[bool] = None,
     ) -> Optional[list[Any]]:
-        """Run ``predict_step`` over the data; returns the predictions (a list per dataloader if several)."""
+        """Run ``predict_step`` over the data; returns the predictions (a list per dataloader if several).
+
+        ``weights_only`` is Lightning's: how ``ckpt_path`` is unpickled. ``None`` (the default) and ``True``
+        read it without running code from it (trainer-core's safe loading, which also takes Lightning's
+        checkpoints and the classes registered with ``register_safe_globals``); a file whose
+        hyper-parameters hold other objects (an ``nn.Module``, a ``functools.partial``) is refused with an
+        error naming it. ``False`` unpickles the whole file, which runs any code it names: only for
+        files you trust.
+        """
+        self._trusted_ckpt = weights_only is False
         ckpt_path = self._default_ckpt_path("predict", model, ckpt_path)
         model = self._model_for("predict", model)
         if isinstance(dataloaders, LightningDataModule):
@@ -328,6 +392,8 @@ class Trainer:
                 f"`trainer.{stage}(torch.compile(model))` under {type(self.plugin).__name__}: {unsupported}."
             )
         check_state_keys(self.callbacks)
+        if self.barebones:
+            rank_zero_info(f"`trainer.{stage}` starts in barebones mode: no progress bar shows that it runs.")
         self.state_stage = stage
         self.training = stage == "fit"
         self.should_stop = False
@@ -460,6 +526,14 @@ class Trainer:
         self.progress.global_step += 1
 
     def _check_optimization(self, module: LightningModule) -> None:
+        step = inspect.unwrap(type(module).training_step)
+        if "optimizer_idx" in inspect.getfullargspec(step).args:
+            # Lightning 1.x's way to several optimizers, which Lightning 2 refuses too (a keyword-only one is not asked).
+            raise MisconfigurationException(
+                f"{type(module).__name__}.training_step takes `optimizer_idx`, Lightning 1.x's way to several "
+                "optimizers, which no longer exists: remove the argument, set `self.automatic_optimization = False` "
+                "and step each optimizer from `opt1, opt2 = self.optimizers()` in `training_step`."
+            )
         if module.automatic_optimization and len(self.plugin.optimizers) > 1:
             raise MisconfigurationException(
                 f"configure_optimizers returned {len(self.plugin.optimizers)} optimizers: several optimizers need "
@@ -763,12 +837,13 @@ class Trainer:
             hooks=self.hook_runner,
             callbacks=self.callbacks,
             datamodule=self.datamodule,
-            train_dataloader=self.train_dataloader,
+            train_dataloader=self.fit_loop.train_loader if self.fit_loop is not None else None,
             accumulate_grad_batches=self.accumulate_grad_batches,
             callback_metrics=self._read_callback_metrics,
             checkpoint_callbacks=self.checkpoint_callbacks,
             resume_reason=self.resume_reason,
             restored_from=self._record_ckpt_path,
+            trusted_checkpoint=self._trusted_ckpt,
         )
 
     def _read_callback_metrics(self) -> dict[str, Any]:
@@ -780,6 +855,47 @@ class Trainer:
     @rank_zero_only
     def print(self, *args: Any, **kwargs: Any) -> None:
         print(*args, **kwargs)
+
+
+class BarebonesConflict(MisconfigurationException, ValueError):
+    """An argument that turns on a feature ``Trainer(barebones=True)`` turns off.
+
+    A ``ValueError`` too, as Lightning raises, so code written for Lightning catches it the same way.
+    """
+
+
+def _given(value: Any) -> bool:
+    return value is not None and value is not False and value != 0
+
+
+# Each argument barebones mode refuses: the feature it turns on, and when a value asks for it (Lightning's rules).
+_BAREBONES_OFF: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "enable_checkpointing": ("Checkpointing", bool),
+    "logger": ("Logging", lambda value: value is not None and value is not False),
+    "enable_progress_bar": ("The progress bar", bool),
+    "log_every_n_steps": ("Logging", _given),
+    "enable_model_summary": ("The model summary", bool),
+    "num_sanity_val_steps": ("The sanity check", _given),
+    "fast_dev_run": ("A development run", _given),
+    "detect_anomaly": ("Anomaly detection", bool),
+    "profiler": ("Profiling", lambda value: value is not None),
+}
+
+
+def _refuse_with_barebones(**given: Any) -> None:
+    """Refuse, naming it, the first argument that asks for a feature barebones mode turns off."""
+    for name, value in given.items():
+        feature, asks_for_it = _BAREBONES_OFF[name]
+        if asks_for_it(value):
+            raise BarebonesConflict(
+                f"Trainer(barebones=True, {name}={value!r}): {feature} costs speed, so barebones mode turns it "
+                f"off. Leave `{name}` out, or drop barebones=True."
+            )
+    rank_zero_info(
+        "Trainer(barebones=True): checkpointing, loggers and `self.log`, the progress bar, the model summary, "
+        "the sanity check, fast_dev_run, anomaly detection and profiling are off, to measure the Trainer's "
+        "own overhead."
+    )
 
 
 def _check_module(model: Any, stage: str) -> LightningModule:

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import fsspec
 import torch
 
-from trainer_core.checkpoint.format import load_weights_only
+from trainer_core.checkpoint.format import load_weights_only, unpickling_trusted
 from trainer_core.errors import CheckpointError
 
 
@@ -81,17 +81,21 @@ def load_torch_file(
     """``torch.load`` of ``fs_path`` without running code; every failure is a :class:`CheckpointError` naming ``display``.
 
     ``mmap``: map the local zip file instead of reading it (its small tensors are copied out).
+    Unpickled whole only inside :func:`~trainer_core.checkpoint.format.trusted_unpickling` (the user's
+    ``weights_only=False``).
     """
+    weights_only = not unpickling_trusted()
     try:
         if mmap:  # a local zip file: mapped, its pages shared with every process that maps it
             loaded = load_weights_only(
-                lambda: torch.load(fs_path, map_location=map_location, weights_only=True, mmap=True),
+                lambda: torch.load(fs_path, map_location=map_location, weights_only=weights_only, mmap=True),
                 display,
             )
             return small_tensors_copied(loaded)
         with fs.open(fs_path, "rb") as f:
             return load_weights_only(
-                lambda: torch.load(ExactReader(f), map_location=map_location, weights_only=True), display
+                lambda: torch.load(ExactReader(f), map_location=map_location, weights_only=weights_only),
+                display,
             )
     except CheckpointError:
         raise
@@ -115,9 +119,10 @@ def load_torch_file(
         if refused is not None:
             raise CheckpointError(
                 f"Refused to load {display}: it asks to call or construct {refused} while loading, and "
-                "trainer-core never runs code from a checkpoint. If the file is yours and the class is "
-                "trusted, register it with trainer_core.checkpoint.register_safe_globals; otherwise "
-                "delete the file."
+                "trainer-core runs no code from a checkpoint unless told to. If the file is yours and the class "
+                "is trusted, register it with trainer_core.checkpoint.register_safe_globals; if the whole file "
+                "is trusted, pass weights_only=False (to trainer.fit/validate/test/predict or "
+                "load_from_checkpoint) to unpickle it whole; otherwise delete the file."
             ) from None
         raise CheckpointError(corrupt_message(display, err)) from None
     except Exception as err:

@@ -182,3 +182,63 @@ def test_max_depth_zero_shows_nothing(trainer_core_log: list[str]) -> None:
 def test_bad_depth_is_refused() -> None:
     with pytest.raises(MisconfigurationException, match=r"ModelSummary\(max_depth=-2\)"):
         ModelSummary(max_depth=-2)
+
+
+_RANDOM_AFTER_SEED = """
+import hashlib, random, sys
+import torch
+if sys.argv[1] == "lightning":
+    import pytorch_lightning as fw
+else:
+    import trainer_core as fw
+
+def digest():
+    return hashlib.sha1(repr(random.getstate()).encode()).hexdigest()[:12]
+
+class Net(fw.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+    def on_fit_start(self):
+        print("on_fit_start", digest())
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.ones(4, 2), batch_size=2)
+
+fw.seed_everything(3)
+print("seeded", digest())
+fw.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+           enable_progress_bar=False, default_root_dir=sys.argv[2]).fit(Net())
+print("end", digest())
+"""
+
+
+def test_rich_summary_leaves_python_random_as_lightning(tmp_path: Any) -> None:
+    """``rich.style`` draws from Python's ``random`` when first imported; Lightning imports rich with itself,
+    before a program seeds, so a seeded program's draws do not move. The default (rich) summary at ``fit``
+    must leave them where Lightning does (a fresh interpreter: rich not yet imported)."""
+    import subprocess
+    import sys
+
+    from launch import job_env
+
+    outputs = {}
+    for framework in ("lightning", "trainer_core"):
+        done = subprocess.run(
+            [sys.executable, "-c", _RANDOM_AFTER_SEED, framework, str(tmp_path / framework)],
+            env=job_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs[framework] = [
+            line
+            for line in done.stdout.splitlines()
+            if line.split(" ")[0] in ("seeded", "on_fit_start", "end")
+        ]
+    assert outputs["trainer_core"] == outputs["lightning"]
+    assert len({line.split(" ")[1] for line in outputs["lightning"]}) == 1

@@ -166,10 +166,11 @@ def test_hparams_file_csv_overrides_the_checkpoint(checkpoint: Path, tmp_path: P
 def test_the_hparams_file_a_logger_wrote_is_read_back_even_without_pyyaml(
     checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
+    # With PyYAML a logger writes Lightning's YAML; without it JSON (YAML too), which reads back without it.
+    monkeypatch.setitem(sys.modules, "yaml", None)  # `import yaml` fails, as without PyYAML
     logger = CSVLogger(tmp_path / "logs")
     logger.log_hyperparams({"hidden": 4, "lr": 0.3})
     written = Path(logger.log_dir) / "hparams.yaml"
-    monkeypatch.setitem(sys.modules, "yaml", None)  # `import yaml` fails, as without PyYAML
     assert Net.load_from_checkpoint(checkpoint, hparams_file=written).hparams.lr == 0.3
 
 

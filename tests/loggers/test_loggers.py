@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from typing import Any
 import fsspec
 import pytest
 import torch
+import yaml
 from boring import random_data
 from torch import nn
 from torch.utils.data import DataLoader
@@ -100,8 +100,8 @@ def _check_files(csv_text: str, hparams_csv: str, tb_folder: Path, model: Regres
     assert scalars["hp_metric"] == [(0, -1.0)]
 
     expected = {"width": 4, "lr": 0.1, "note": "tiny"}
-    assert json.loads(hparams_csv) == expected
-    assert json.loads((tb_folder / "hparams.yaml").read_text()) == expected
+    assert yaml.safe_load(hparams_csv) == expected
+    assert yaml.safe_load((tb_folder / "hparams.yaml").read_text()) == expected
     # TensorBoard's HPARAMS tab reads the hparams plugin's summaries.
     accumulator = EventAccumulator(str(tb_folder))
     accumulator.Reload()

@@ -34,9 +34,13 @@ from trainer_core.errors import CheckpointError
 from trainer_core.plugins.io import DistributedCheckpointIO, TorchCheckpointIO
 
 PACKAGE_FOLDERS = ("trainer_core", "plugins", "callbacks")
-# The only full unpickle in the package: the outcome ddp_spawn's rank 0 hands its parent, written
-# moments before by our own process into a private (0700) temporary folder; never a user's file.
-TRUSTED_FULL_LOADS = {("plugins/launchers.py", "SpawnLauncher.launch")}
+# The full unpickles in the package: the outcome ddp_spawn's rank 0 hands its parent, written moments
+# before by our own process into a private (0700) temporary folder; and the torch-file reader, whole
+# only inside trusted_unpickling (the user's explicit weights_only=False for one file).
+TRUSTED_FULL_LOADS = {
+    ("plugins/launchers.py", "SpawnLauncher.launch"),
+    ("plugins/io/torch_file.py", "load_torch_file"),
+}
 
 
 def _loader() -> DataLoader:

@@ -5,9 +5,10 @@ fill its sharded parts and the code that reads it cannot drift apart on a spelli
 is bumped whenever a reader of the previous version could misread a new file; a reader refuses files
 from the future instead of guessing.
 
-Loading never unpickles freely (``torch.load(..., weights_only=True)``). The few non-tensor types the
+Loading does not unpickle freely unless asked to (``torch.load(..., weights_only=True)``). The few non-tensor types the
 format legitimately contains (numpy's RNG state is an ``ndarray``) are listed in :func:`safe_globals`;
-a user whose hyper-parameters hold a class of their own registers it with :func:`register_safe_globals`.
+a user whose hyper-parameters hold a class of their own registers it with :func:`register_safe_globals`,
+or, for a file they trust, loads it whole with ``weights_only=False`` (:func:`trusted_unpickling`).
 Lightning's hyper-parameter containers (its ``AttributeDict``, ``argparse.Namespace``) load by default,
 without Lightning installed: see :func:`load_weights_only`.
 """
@@ -15,10 +16,11 @@ without Lightning installed: see :func:`load_weights_only`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import contextvars
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
@@ -197,6 +199,32 @@ def register_safe_globals(*objects: SafeGlobal) -> None:
     loading refuses any global that is not registered, because unpickling one can run code.
     """
     _user_safe_globals.extend(objects)
+
+
+# Set (trusted_unpickling) while the user's ckpt_path loads with fit/validate/test/predict(weights_only=False).
+_trusted: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "trainer_core_trusted_unpickling", default=False
+)
+
+
+@contextlib.contextmanager
+def trusted_unpickling(trusted: bool = True) -> Iterator[None]:
+    """Within the block (and ``trusted``), torch files are unpickled whole: ``torch.load(weights_only=False)``.
+
+    Lightning's ``weights_only=False``, for a checkpoint the user trusts whose hyper-parameters hold
+    objects no allow-list can name (an ``nn.Module``, a ``functools.partial``). Unpickling runs any
+    code the file names, so nothing turns it on but that explicit argument, for that one load.
+    """
+    token = _trusted.set(trusted)
+    try:
+        yield
+    finally:
+        _trusted.reset(token)
+
+
+def unpickling_trusted() -> bool:
+    """Whether the load in progress was asked for with ``weights_only=False`` (see :func:`trusted_unpickling`)."""
+    return _trusted.get()
 
 
 def load_weights_only(load: Callable[[], Any], path: str) -> Any:

@@ -40,6 +40,7 @@ from trainer_core.checkpoint.format import (
     PER_ELEMENT_OPTIMIZER_STATE,
     PLUGIN_PRECISION,
     check_state_dict_matches,
+    trusted_unpickling,
     validate_checkpoint,
 )
 from trainer_core.checkpoint.lightning import (
@@ -179,7 +180,8 @@ def restore_module_and_callbacks(
     module = parts.module
     plugin = parts.plugin
     assert module is not None
-    checkpoint = plugin.load_checkpoint(path)
+    with trusted_unpickling(parts.trusted_checkpoint):
+        checkpoint = plugin.load_checkpoint(path)
     if is_lightning_checkpoint(checkpoint):  # converted to this format (checkpoint/lightning.py)
         optimizers = plugin.optimizers if optimizers_ready and not weights_only else None
         checkpoint = from_lightning(checkpoint, module, path, optimizers)
@@ -411,10 +413,19 @@ def load_module_from_checkpoint(
     strict: Optional[bool] = None,
     **overrides: Any,
 ) -> ModuleT:
-    """``cls`` (a ``LightningModule``) built from the checkpoint's hyper-parameters (``overrides`` win), with its weights loaded."""
+    """``cls`` (a ``LightningModule``) built from the checkpoint's hyper-parameters (``overrides`` win), with its weights loaded.
+
+    ``cls`` need not be the class that saved the file (Lightning's rules): hyper-parameters its
+    ``__init__`` does not take are left out (unless it takes ``**kwargs``), and with ``strict=False``
+    the weights both have load while the others keep their initial values, each side's extra names
+    named in a warning. ``map_location`` is ``torch.load``'s (a device, a string, a dict of devices, or
+    a ``(storage, location)`` callable); ``None`` maps storages of a device this machine lacks to the CPU.
+    """
     from trainer_core.plugins.io import TorchCheckpointIO
 
     path = os.fspath(checkpoint_path)
+    if map_location is None:
+        map_location = _to_available_device
     checkpoint = TorchCheckpointIO().load_checkpoint(path, map_location=map_location)
     if is_lightning_checkpoint(checkpoint):  # converted to this format (checkpoint/lightning.py)
         checkpoint = from_lightning(checkpoint, None, path)
@@ -426,7 +437,7 @@ def load_module_from_checkpoint(
         parameters = inspect.signature(cls.__init__).parameters
         hparams = {name: hparams, **{k: v for k, v in overrides.items() if k in parameters and k != name}}
     try:
-        model = cls(**hparams)
+        model = cls(**_accepted_by_init(cls, hparams))
     except (CheckpointError, MisconfigurationException):
         raise
     except Exception as err:  # a missing argument, or a value the module refuses (nn.Linear(-1, 2))
@@ -439,8 +450,43 @@ def load_module_from_checkpoint(
     check_state_dict_matches(
         plain_state_dict(model.state_dict()), checkpoint[KEY_STATE_DICT], path, strict=strict
     )
-    model.load_state_dict(module_state_dict(model, checkpoint[KEY_STATE_DICT]), strict=strict)
-    return model
+    state = checkpoint[KEY_STATE_DICT]
+    keys = model.load_state_dict(module_state_dict(model, state), strict=strict)
+    if keys.missing_keys:
+        rank_zero_warn(
+            f"{cls.__name__}.load_from_checkpoint({path!r}, strict=False): the checkpoint has no value for "
+            f"{keys.missing_keys}; they keep their initial values."
+        )
+    if keys.unexpected_keys:
+        rank_zero_warn(
+            f"{cls.__name__}.load_from_checkpoint({path!r}, strict=False): {cls.__name__} has no place for "
+            f"{keys.unexpected_keys} of the checkpoint; they are not loaded."
+        )
+    # On the device the weights were read to (Lightning's rule), not where ``__init__`` built the module.
+    device = next((t.device for t in state.values() if isinstance(t, torch.Tensor)), None)
+    return model if device is None else model.to(device)
+
+
+def _accepted_by_init(cls: type, hparams: dict[str, Any]) -> dict[str, Any]:
+    """The hyper-parameters ``cls.__init__`` takes: all of them when it has ``**kwargs``.
+
+    A checkpoint loaded into another class than the one that saved it holds arguments of that class.
+    """
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return hparams
+    names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in hparams.items() if k in names}
+
+
+def _to_available_device(storage: Any, location: str) -> Any:
+    """``torch.load``'s ``map_location`` when none is given: a storage of an absent accelerator to the CPU."""
+    kind = location.split(":")[0]
+    if (kind == "cuda" and not torch.cuda.is_available()) or (
+        kind == "mps" and not torch.backends.mps.is_available()
+    ):
+        return storage.cpu()
+    return None  # where it was saved
 
 
 def _plain_names(checkpoint: dict[str, Any]) -> None:

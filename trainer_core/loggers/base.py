@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 from abc import ABC, abstractmethod
@@ -11,9 +10,10 @@ from argparse import Namespace
 from typing import Any, Callable, Optional, Union
 
 from trainer_core import paths
+from trainer_core.hparams import hparams_to_yaml
 from trainer_core.utilities import rank_zero_only
 
-#: Hyper-parameters beside the logs; written as JSON, which is valid YAML and needs no YAML library.
+#: Hyper-parameters beside the logs, nested as given: the YAML document Lightning writes (trainer_core.hparams).
 HPARAMS_FILE = "hparams.yaml"
 
 
@@ -106,7 +106,7 @@ class FolderLogger(Logger):
         fs, folder = paths.resolve(self.log_dir, **self._storage_options)
         fs.makedirs(folder, exist_ok=True)
         with fs.open(f"{folder}/{HPARAMS_FILE}", "w") as f:
-            json.dump(params, f, indent=2, sort_keys=True, default=repr)
+            f.write(hparams_to_yaml(params))
 
 
 def next_version(root: str, storage_options: Optional[dict[str, Any]] = None) -> int:

@@ -38,6 +38,7 @@ class CSVLogger(FolderLogger):
         self._target: Optional[tuple[Any, str]] = None
         self._keys: list[str] = []
         self._calls = 0
+        self._hparams: dict[str, Any] = {}
 
     @property
     def metrics_file_path(self) -> str:
@@ -45,7 +46,9 @@ class CSVLogger(FolderLogger):
 
     @rank_zero_only
     def log_hyperparams(self, params: Union[dict[str, Any], Namespace]) -> None:
-        self._write_hparams_file(_plain(as_dict(params)))
+        # Each call adds to what earlier calls recorded (Lightning's rule); the file holds all of it.
+        self._hparams.update(as_dict(params))
+        self._write_hparams_file(self._hparams)
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
@@ -77,15 +80,6 @@ class CSVLogger(FolderLogger):
         else:
             _append_rows(fs, path, self._keys, self._rows)
         self._rows = []
-
-
-def _plain(params: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for key, value in params.items():
-        out[key] = (
-            value if isinstance(value, (int, float, str, bool, type(None), list, dict)) else repr(value)
-        )
-    return out
 
 
 def _read_rows(fs: Any, path: str) -> list[dict[str, Any]]:

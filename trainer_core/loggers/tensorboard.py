@@ -62,6 +62,7 @@ class TensorBoardLogger(FolderLogger):
         self._writer_kwargs = writer_kwargs
         self._writer: Any = None
         self._hparams: dict[str, Any] = {}
+        self._hparams_written = False
         # Remote targets: the local folder SummaryWriter writes into, and the sizes last uploaded.
         self._spool: Optional[str] = None
         self._uploaded: dict[str, int] = {}
@@ -100,11 +101,14 @@ class TensorBoardLogger(FolderLogger):
     def log_hyperparams(
         self, params: Union[dict[str, Any], Namespace], metrics: Optional[dict[str, float]] = None
     ) -> None:
-        """Record ``params`` in TensorBoard's HPARAMS tab and in ``hparams.yaml`` beside the events."""
+        """Record ``params`` in TensorBoard's HPARAMS tab (flattened to ``a/b`` names of plain values, which
+        is all the tab shows) and in ``hparams.yaml`` beside the events (nested as given, as Lightning writes it).
+        """
         from torch.utils.tensorboard.summary import hparams
 
-        params = _flatten(_plain(as_dict(params)))
+        params = as_dict(params)
         self._hparams.update(params)
+        params = _flatten(_plain(params))
         if metrics is None and self._default_hp_metric:
             metrics = {"hp_metric": -1}
         writer = self.experiment
@@ -116,9 +120,11 @@ class TensorBoardLogger(FolderLogger):
             for key, value in metrics.items():
                 writer.add_scalar(key, value, 0)
         self._write_hparams_file(self._hparams)
+        self._hparams_written = True
 
     @rank_zero_only
     def save(self) -> None:
+        self._save_hparams_once()
         if self._writer is None:
             return
         self._writer.flush()
@@ -127,6 +133,8 @@ class TensorBoardLogger(FolderLogger):
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
+        if status == "success":
+            self._save_hparams_once()
         if self._writer is None:
             return
         self._writer.flush()
@@ -139,6 +147,12 @@ class TensorBoardLogger(FolderLogger):
             self._uploaded = {}
 
     # ------------------------------------------------------------------ files
+    def _save_hparams_once(self) -> None:
+        """Lightning's rule: a run's folder has an ``hparams.yaml``, ``{}`` when nothing was logged to it."""
+        if not self._hparams_written:
+            self._write_hparams_file(self._hparams)
+            self._hparams_written = True
+
     def _upload(self) -> None:
         """Copy the spool's new or grown files to the remote ``log_dir`` (whole files: stores cannot append)."""
         assert self._spool is not None
