@@ -110,10 +110,13 @@ class LearningRateMonitor(Callback):
 
     @staticmethod
     def _log(trainer: Trainer, stats: dict[str, float]) -> None:
-        if stats:
-            # The step Lightning uses: ``fit_loop.epoch_loop._batches_that_stepped``, the same step
-            # the training metrics of the coming batch are logged at.
-            trainer.metrics.log(stats, step=trainer.batches_that_stepped)
+        if not stats:
+            return
+        # Straight to the loggers, as Lightning does: no ``epoch`` beside the rates, nothing in
+        # ``trainer.logged_metrics``. The step is Lightning's ``fit_loop.epoch_loop._batches_that_stepped``,
+        # the same step the training metrics of the coming batch are logged at.
+        for logger in trainer.loggers:
+            logger.log_metrics(stats, step=trainer.batches_that_stepped)
 
     # ------------------------------------------------------------------ values
     def _extract_stats(self, trainer: Trainer, interval: str) -> dict[str, float]:

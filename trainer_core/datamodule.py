@@ -246,6 +246,19 @@ def hyperparameters_to_log(
     return merged
 
 
+def log_stage_hyperparameters(trainer: Any) -> None:
+    """The hyper-parameters to every logger as ``validate``/``test``/``predict`` starts, as Lightning logs them
+    at the start of every stage and not only of ``fit``: a test after fit adds them (and TensorBoard's
+    ``hp_metric``) to the test's events, and a test-only run writes its ``hparams.yaml``."""
+    if not trainer.loggers:
+        return
+    hparams = hyperparameters_to_log(trainer.lightning_module, trainer.datamodule)
+    if hparams is None:
+        return
+    for lg in trainer.loggers:
+        lg.log_hyperparams(hparams)
+
+
 def _initial_or_current(owner: Any) -> dict[str, Any]:
     """``hparams_initial`` (what ``save_hyperparameters`` stored), or ``hparams`` when only those were filled in."""
     return dict(owner.hparams_initial or owner.hparams)

@@ -76,7 +76,10 @@ class Metrics:
             lg.log_metrics(scalars, step=step)
 
     def clear(self) -> None:
-        """Forget every value (what a sanity check logged must not reach callbacks or loggers)."""
-        self.callback.clear()
-        self.progress_bar.clear()
+        """Forget every value (what a sanity check logged must not reach callbacks or loggers).
+
+        ``callback`` and ``progress_bar`` become new dicts, as in Lightning: a program that kept
+        ``trainer.callback_metrics`` after ``fit`` still reads fit's values after ``test``."""
+        self.callback = {}
+        self.progress_bar = {}
         self.logged.clear()

@@ -285,6 +285,55 @@ def test_test_metrics_are_returned_and_logged(tmp_path: Path):
     assert [float(r["t"]) for r in rows if r.get("t")] == [6.0]
 
 
+def test_callback_metrics_kept_after_fit_survive_a_test_as_in_lightning(tmp_path: Path):
+    """A program that keeps ``trainer.callback_metrics`` after ``fit`` (the lightning-hydra-template merges it
+    with the test's) still reads fit's values after ``test``: each run starts with new dicts, as in Lightning."""
+    import pytorch_lightning as pl
+
+    from trainer_core import Trainer
+
+    kept = {}
+    for name, base, trainer_cls in (
+        ("lightning", pl.LightningModule, pl.Trainer),
+        ("trainer_core", LightningModule, Trainer),
+    ):
+
+        class Net(base):  # type: ignore[misc, valid-type]
+            def __init__(self) -> None:
+                super().__init__()
+                self.layer = nn.Linear(3, 1)
+
+            def training_step(self, batch: Any, batch_idx: int) -> Any:
+                loss = self.layer(batch[0]).sum()
+                self.log("fit_loss", loss)
+                return loss
+
+            def test_step(self, batch: Any, batch_idx: int) -> None:
+                self.log("test_loss", self.layer(batch[0]).sum())
+
+            def configure_optimizers(self) -> Any:
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        trainer = trainer_cls(
+            max_epochs=1,
+            limit_train_batches=2,
+            limit_test_batches=1,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path / name,
+        )
+        model = Net()
+        trainer.fit(model, _loader())
+        after_fit = trainer.callback_metrics
+        trainer.test(model, _loader(), verbose=False)
+        kept[name] = (sorted(after_fit), sorted(trainer.callback_metrics))
+    assert kept["trainer_core"] == kept["lightning"] == (["fit_loss"], ["test_loss"])
+
+
 # ---------------------------------------------------------------------- refusals
 def test_non_scalar_tensor_raises_naming_the_metric():
     model = LogModel(train_log=lambda m, i: m.log("vec", torch.ones(3)))
