@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from launch import job_env
@@ -96,13 +96,20 @@ PROGRAMS: list[Any] = [
 
 
 def run(
-    framework: str, program: str, args: list[str], workdir: Path, precision: str = ""
+    framework: str,
+    program: str,
+    args: list[str],
+    workdir: Path,
+    precision: str = "",
+    budget: Optional[dict[str, Any]] = None,
 ) -> list[dict[str, Any]]:
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "out"
     env = {**job_env(), "PYTHONPATH": str(HERE.parents[1]), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     if precision:
         env["CORPUS_PRECISION"] = precision
+    if budget:
+        env["CORPUS_BUDGET"] = json.dumps(budget)
     done = subprocess.run(
         [sys.executable, str(HERE / "run_program.py"), framework, program, str(out), *args],
         cwd=workdir,
