@@ -247,16 +247,21 @@ def hyperparameters_to_log(
 
 
 def log_stage_hyperparameters(trainer: Any) -> None:
-    """The hyper-parameters to every logger as ``validate``/``test``/``predict`` starts, as Lightning logs them
-    at the start of every stage and not only of ``fit``: a test after fit adds them (and TensorBoard's
-    ``hp_metric``) to the test's events, and a test-only run writes its ``hparams.yaml``."""
+    """At the start of every stage, as Lightning does: the hyper-parameters to each logger (the module's and the
+    data module's, merged), then the model's graph (a logger that draws one), then a save.
+
+    So a test after fit adds them (and TensorBoard's ``hp_metric``) to the test's events, and a test-only run
+    writes its ``hparams.yaml``.
+    """
     if not trainer.loggers:
         return
-    hparams = hyperparameters_to_log(trainer.lightning_module, trainer.datamodule)
-    if hparams is None:
-        return
+    module = trainer.lightning_module
+    hparams = hyperparameters_to_log(module, trainer.datamodule)
     for lg in trainer.loggers:
-        lg.log_hyperparams(hparams)
+        if hparams is not None:
+            lg.log_hyperparams(hparams)
+        lg.log_graph(module)
+        lg.save()
 
 
 def _initial_or_current(owner: Any) -> dict[str, Any]:

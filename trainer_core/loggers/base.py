@@ -48,6 +48,9 @@ class Logger(ABC):
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         """Record the run's hyper-parameters."""
 
+    def log_graph(self, model: Any, input_array: Any = None) -> None:  # noqa: B027 (optional, as save)
+        """Record the model's graph, for a logger that can draw one (called with the hyper-parameters)."""
+
     def save(self) -> None:  # noqa: B027 (an optional hook: a logger without a buffer has nothing to flush)
         """Flush buffered records."""
 

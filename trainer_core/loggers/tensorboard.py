@@ -17,11 +17,12 @@ import tempfile
 from argparse import Namespace
 from typing import Any, Optional, Union
 
+import torch
 from lightning_utilities.core.imports import RequirementCache
 
 from trainer_core import paths
 from trainer_core.loggers.base import FolderLogger, as_dict
-from trainer_core.utilities import rank_zero_only
+from trainer_core.utilities import rank_zero_only, rank_zero_warn
 
 _TENSORBOARD = RequirementCache("tensorboard")
 
@@ -33,7 +34,8 @@ def tensorboard_available() -> bool:
 class TensorBoardLogger(FolderLogger):
     """Write ``<save_dir>/<name>/version_<n>[/<sub_dir>]/events.out.tfevents.*`` on global rank 0.
 
-    Arguments follow Lightning's: ``default_hp_metric`` logs ``hp_metric=-1`` with the
+    Arguments follow Lightning's: ``log_graph`` draws the module's graph from its ``example_input_array``
+    with the hyper-parameters at each stage's start, ``default_hp_metric`` logs ``hp_metric=-1`` with the
     hyper-parameters (so TensorBoard's HPARAMS tab lists the run before any metric is chosen),
     ``prefix`` is put before every metric name, extra keyword arguments go to ``SummaryWriter``
     (``flush_secs``, ``max_queue``, ``filename_suffix``), ``storage_options`` to fsspec.
@@ -44,6 +46,7 @@ class TensorBoardLogger(FolderLogger):
         save_dir: Union[str, os.PathLike],
         name: Optional[str] = "lightning_logs",
         version: Optional[Union[int, str]] = None,
+        log_graph: bool = False,
         default_hp_metric: bool = True,
         prefix: str = "",
         sub_dir: Optional[str] = None,
@@ -56,6 +59,7 @@ class TensorBoardLogger(FolderLogger):
                 "`pip install tensorboard`, or use CSVLogger."
             )
         super().__init__(save_dir, name, version, storage_options)
+        self._log_graph = log_graph
         self._default_hp_metric = default_hp_metric
         self._prefix = prefix
         self._sub_dir = sub_dir
@@ -121,6 +125,25 @@ class TensorBoardLogger(FolderLogger):
                 writer.add_scalar(key, value, 0)
         self._write_hparams_file(self._hparams)
         self._hparams_written = True
+
+    @rank_zero_only
+    def log_graph(self, model: Any, input_array: Any = None) -> None:
+        """The module's graph, traced from ``input_array`` (else its ``example_input_array``), when ``log_graph``."""
+        if not self._log_graph:
+            return
+        if input_array is None:
+            input_array = getattr(model, "example_input_array", None)
+        if not isinstance(input_array, (torch.Tensor, tuple)):
+            rank_zero_warn(
+                "TensorBoardLogger(log_graph=True) draws no graph: set the module's `example_input_array` to a "
+                f"tensor or a tuple of `forward`'s positional arguments (it is {type(input_array).__name__})."
+            )
+            return
+        device = getattr(model, "device", torch.device("cpu"))
+        input_array = model.on_before_batch_transfer(input_array, 0)
+        input_array = model.transfer_batch_to_device(input_array, device, 0)
+        input_array = model.on_after_batch_transfer(input_array, 0)
+        self.experiment.add_graph(model, input_array)
 
     @rank_zero_only
     def save(self) -> None:
