@@ -213,7 +213,7 @@ class TrainingTypePlugin(_RefusesUnknownArguments):
         assert module is not None
         self.precision.convert_module(module)
         self.model_to_device()
-        if trainer.training:
+        if trainer.state_stage == "fit":
             self.setup_optimizers(trainer)
         self.model = self.wrap_model(module)
 

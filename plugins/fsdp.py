@@ -141,7 +141,7 @@ class FSDPPlugin(ParallelPlugin):
         self.trainer = trainer
         module = self._lightning_module
         assert module is not None
-        if trainer.training:
+        if trainer.state_stage == "fit":
             self.check_module_for_data_parallel()
         self.precision.convert_module(module)
         if has_meta_tensors(module):
@@ -152,7 +152,7 @@ class FSDPPlugin(ParallelPlugin):
         else:
             self.model_to_device()
             self._shard(module)
-        if trainer.training:
+        if trainer.state_stage == "fit":
             self.setup_optimizers(trainer)
         self.model = module
 

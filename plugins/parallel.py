@@ -193,7 +193,7 @@ class ParallelPlugin(TrainingTypePlugin):
 
     # ------------------------------------------------------------------ model
     def setup(self, trainer: Trainer) -> None:
-        if trainer.training:
+        if trainer.state_stage == "fit":
             self.check_module_for_data_parallel()
         super().setup(trainer)
 

@@ -151,6 +151,7 @@ class RunState(HookRunState, MetricsRunState, Protocol):
     state_stage: Optional[str]
     training: bool
     sanity_checking: bool
+    validating_in_fit: bool
     should_stop: bool
     interrupted: bool
     preempted: bool

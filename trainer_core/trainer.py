@@ -43,6 +43,7 @@ from trainer_core.datamodule import LightningDataModule
 from trainer_core.errors import MisconfigurationException, _TunerExitException
 from trainer_core.hooks import BatchHooks, HookRunner
 from trainer_core.loops import FitLoop, Progress, run_evaluation, run_predict
+from trainer_core.loops.evaluation import PredictLoop
 from trainer_core.metrics import Metrics
 from trainer_core.module import LightningModule
 from trainer_core.optim import LightningOptimizer, LRSchedulerConfig
@@ -195,8 +196,9 @@ class Trainer:
 
         # State of the run.
         self.state_stage: Optional[str] = None
-        self.training = False
+        self._running = False  # inside an entry point (Lightning resets its stage after one)
         self.sanity_checking = False
+        self.validating_in_fit = False
         self.should_stop = False
         self.interrupted = False
         # Whether the last fit ended on a pre-emption signal (every rank saved and stopped).
@@ -218,8 +220,9 @@ class Trainer:
         #: Why ``fit`` resumes although it was given no ``ckpt_path`` (a launcher's restart), for its messages.
         self.resume_reason = ""
         self.fit_loop: Optional[FitLoop] = None
-        # The last ``predict``'s PredictLoop (trainer_core.loops.evaluation): what prediction writers read.
-        self.predict_loop: Any = None
+        # The last ``predict``'s PredictLoop (trainer_core.loops.evaluation): what prediction writers read;
+        # an empty one before the first (Lightning's has no indices, no predictions then).
+        self.predict_loop: Any = PredictLoop()
         self.lightning_optimizers: list[LightningOptimizer] = []
 
         # The loop state (counters, positions, the resume plan), the way to the user's hooks, and
@@ -395,7 +398,7 @@ class Trainer:
         if self.barebones:
             rank_zero_info(f"`trainer.{stage}` starts in barebones mode: no progress bar shows that it runs.")
         self.state_stage = stage
-        self.training = stage == "fit"
+        self._running = True
         self.should_stop = False
         self.interrupted = False
         self.lightning_module = model
@@ -445,7 +448,7 @@ class Trainer:
                     lg.finalize("failed")
             raise
         finally:
-            self.training = False
+            self._running = False
             self.sanity_checking = False
             if self.fit_loop is not None:
                 self.fit_loop.preemption = None
@@ -753,11 +756,15 @@ class Trainer:
         return self._default_root_dir
 
     @property
+    def training(self) -> bool:
+        """Whether training batches run now: in ``fit``, outside its sanity check and validation (Lightning's
+        running stage: one of ``training``, ``sanity_checking``, ``validating`` holds at a time)."""
+        fitting = self._running and self.state_stage == "fit"
+        return fitting and not self.sanity_checking and not self.validating_in_fit
+
+    @property
     def validating(self) -> bool:
-        results = self.metrics.results
-        return self.state_stage == "validate" or (
-            self.state_stage == "fit" and results is not self.metrics.train_results and results is not None
-        )
+        return self.validating_in_fit or (self._running and self.state_stage == "validate")
 
     @property
     def testing(self) -> bool:

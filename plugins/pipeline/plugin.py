@@ -252,7 +252,7 @@ class PipelinePlugin(StageState, ParallelPlugin):
             self._setup_traced_parts(trainer, module)
         self._build_groups()
         self._accumulate = trainer.accumulate_grad_batches
-        if trainer.training:
+        if trainer.state_stage == "fit":
             self.setup_optimizers(trainer)
         self._build_schedule()
         self.model = module

@@ -373,7 +373,7 @@ def _example_microbatch(
     """
     from trainer_core.checkpoint.rng import apply_rng_states, collect_rng_states
 
-    if trainer.training:
+    if trainer.state_stage == "fit":
         loader = _training_loader(trainer, module)
         if loader is not None:
             states = collect_rng_states()
@@ -401,7 +401,7 @@ def _training_loader(trainer: Trainer, module: LightningModule) -> Any:
     from trainer_core.datamodule import LightningDataModule
     from trainer_core.module import LightningModule as BaseModule
 
-    # Read during fit only (``trainer.training``), when ``trainer.fit_loop`` holds this fit's sources.
+    # Read during fit only (``trainer.state_stage == "fit"``), when ``trainer.fit_loop`` holds this fit's sources.
     source = trainer.fit_loop.train_source
     if source is None:
         datamodule = trainer.datamodule
