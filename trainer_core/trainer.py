@@ -50,6 +50,7 @@ from trainer_core.optim import LightningOptimizer, LRSchedulerConfig
 from trainer_core.precision import Precision, precision_from
 from trainer_core.profilers import Profiler, is_active, resolve_profiler
 from trainer_core.run_state import CheckpointParts
+from trainer_core.states import RunningStage, TrainerFn, TrainerState, TrainerStatus
 from trainer_core.utilities import launcher_restart_count, rank_zero_info, rank_zero_only, rank_zero_warn
 from trainer_core.utilities.compile import is_compiled, is_compiled_lightning_module, unwrap_compiled_module
 
@@ -197,6 +198,7 @@ class Trainer:
         # State of the run.
         self.state_stage: Optional[str] = None
         self._running = False  # inside an entry point (Lightning resets its stage after one)
+        self._status = TrainerStatus.INITIALIZING
         self.sanity_checking = False
         self.validating_in_fit = False
         self.should_stop = False
@@ -399,6 +401,7 @@ class Trainer:
             rank_zero_info(f"`trainer.{stage}` starts in barebones mode: no progress bar shows that it runs.")
         self.state_stage = stage
         self._running = True
+        self._status = TrainerStatus.RUNNING
         self.should_stop = False
         self.interrupted = False
         self.lightning_module = model
@@ -419,18 +422,22 @@ class Trainer:
                 self._setup_run(stage)
                 result = body()
                 self._teardown(stage)
+                self._status = TrainerStatus.FINISHED
                 return result
         except _TunerExitException:
             # A Tuner's search is done (trainer_core.tuner): the run ends here, torn down as a finished one.
             self._teardown(stage)
+            self._status = TrainerStatus.FINISHED
             return None
         except signals.Preempted as exc:
+            self._status = TrainerStatus.INTERRUPTED
             signals.finish_preempted(self, exc)
             self._requeue_on_exit = exc if exc.requeue is not None else None
             self._teardown(stage, finalize_loggers=False)  # finalised as pre-empted already
             return None
         except BaseException as exc:
             self.interrupted = isinstance(exc, KeyboardInterrupt)
+            self._status = TrainerStatus.INTERRUPTED
             module = self.lightning_module
             for cb in self.callbacks:
                 if callback_overrides(cb, "on_exception"):
@@ -754,6 +761,20 @@ class Trainer:
         if self.logger is not None:
             return getattr(self.logger, "log_dir", None) or self.logger.save_dir
         return self._default_root_dir
+
+    @property
+    def state(self) -> TrainerState:
+        """Lightning's ``trainer.state``: the entry point (``fn``), what runs in it now (``stage``) and ``status``."""
+        stage = None
+        if self._running:
+            if self.sanity_checking:
+                stage = RunningStage.SANITY_CHECKING
+            elif self.validating_in_fit:
+                stage = RunningStage.VALIDATING
+            else:
+                stage = RunningStage("train" if self.state_stage == "fit" else self.state_stage)
+        fn = TrainerFn(self.state_stage) if self.state_stage else None
+        return TrainerState(status=self._status, fn=fn, stage=stage)
 
     @property
     def training(self) -> bool:

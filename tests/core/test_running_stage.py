@@ -1,5 +1,6 @@
-"""``trainer.training``, ``trainer.validating`` and ``trainer.sanity_checking`` at every hook equal Lightning's: one
-of them at a time (a module that picks its outputs list by ``trainer.training`` reads the right one)."""
+"""``trainer.training``, ``trainer.validating``, ``trainer.sanity_checking`` and ``trainer.state`` at every hook equal
+Lightning's: one running stage at a time (a module that picks its outputs list by ``trainer.training`` reads the
+right one)."""
 
 from __future__ import annotations
 
@@ -25,12 +26,20 @@ HOOKS = (
 )
 
 
+def state(trainer: Any) -> tuple[Any, ...]:
+    st = trainer.state
+    return tuple(None if v is None else v.value for v in (st.fn, st.stage, st.status)) + (
+        st.finished,
+        st.stopped,
+    )
+
+
 def flags_seen(framework: Any, root: Any) -> list[tuple[Any, ...]]:
     seen: list[tuple[Any, ...]] = []
 
     def note(module: Any, where: str) -> None:
         t = module.trainer
-        seen.append((where, t.training, t.validating, t.sanity_checking, t.testing, t.predicting))
+        seen.append((where, t.training, t.validating, t.sanity_checking, t.testing, t.predicting, state(t)))
 
     class Net(framework.LightningModule):
         def __init__(self) -> None:
@@ -66,12 +75,21 @@ def flags_seen(framework: Any, root: Any) -> list[tuple[Any, ...]]:
         default_root_dir=root,
     )
     model = Net()
+    seen.append(("built", state(trainer)))
     trainer.fit(model, data, data)
-    seen.append(("after fit", trainer.training, trainer.validating, trainer.sanity_checking))
+    seen.append(("after fit", trainer.training, trainer.validating, trainer.sanity_checking, state(trainer)))
     trainer.validate(model, data, verbose=False)
-    seen.append(("after validate", trainer.training, trainer.validating, trainer.sanity_checking))
+    seen.append(
+        ("after validate", trainer.training, trainer.validating, trainer.sanity_checking, state(trainer))
+    )
     trainer.test(model, data, verbose=False)
     trainer.predict(model, data)
+    seen.append(("after predict", state(trainer)))
+    model.test_step = lambda batch, batch_idx: 1 / 0
+    try:
+        trainer.test(model, data, verbose=False)
+    except ZeroDivisionError:
+        seen.append(("after an error", state(trainer)))
     return seen
 
 
@@ -79,5 +97,15 @@ def test_the_running_stage_flags_equal_lightnings_at_every_hook(tmp_path: Any) -
     ours = flags_seen(tc, tmp_path / "tc")
     theirs = flags_seen(pl, tmp_path / "pl")
     assert ours == theirs
-    assert ("validation_step", False, False, True, False, False) in ours  # the sanity check
-    assert ("validation_step", False, True, False, False, False) in ours
+    sanity = ("fit", "sanity_check", "running", False, False)
+    assert ("validation_step", False, False, True, False, False, sanity) in ours
+    assert (
+        "validation_step",
+        False,
+        True,
+        False,
+        False,
+        False,
+        ("fit", "validate", "running", False, False),
+    ) in ours
+    assert ours[-1] == ("after an error", ("test", None, "interrupted", False, True))
