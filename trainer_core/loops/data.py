@@ -148,6 +148,12 @@ def num_batches(loader: Any, limit: Union[int, float], name: str) -> Union[int, 
     return min(length, limit) if isinstance(limit, int) else _fraction(length, limit, name)
 
 
+def has_length(loader: Any) -> bool:
+    """Whether ``loader`` (each of a CombinedLoader's loaders) has a length."""
+    each = loader.flattened if isinstance(loader, CombinedLoader) else (loader,)
+    return not any(math.isinf(_length(dl)) for dl in each)
+
+
 def _length(loader: Any) -> Union[int, float]:
     try:
         return len(loader)
@@ -166,6 +172,20 @@ def _fraction(length: Union[int, float], limit: float, name: str) -> Union[int, 
         )
     count = int(length * limit)
     return max(count, 1) if limit > 0 and length > 0 else count
+
+
+def set_sampler_epoch(loader: Any, epoch: int) -> None:
+    """``set_epoch`` on each sampler of ``loader`` (of each of a CombinedLoader's loaders) that has one.
+
+    A DistributedSampler reshuffles by it; a batch sampler's own sampler gets it too.
+    """
+    for each in loader.flattened if isinstance(loader, CombinedLoader) else (loader,):
+        sampler = getattr(each, "sampler", None)
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
+        inner = getattr(getattr(each, "batch_sampler", None), "sampler", None)
+        if callable(getattr(inner, "set_epoch", None)) and inner is not sampler:
+            inner.set_epoch(epoch)
 
 
 def with_last_flag(iterator: Iterator[Any]) -> Iterator[tuple[Any, bool]]:

@@ -19,7 +19,7 @@ from trainer_core.checkpoint.restore import restore_checkpoint
 from trainer_core.datamodule import log_stage_hyperparameters
 from trainer_core.errors import MisconfigurationException
 from trainer_core.hooks import check_dataloader_idx, step_caller
-from trainer_core.loops.data import batch_mover, num_batches, resolve_stage_dataloaders
+from trainer_core.loops.data import batch_mover, num_batches, resolve_stage_dataloaders, set_sampler_epoch
 from trainer_core.module import LightningModule
 from trainer_core.profilers.base import profiled, profiled_iter
 from trainer_core.results import ResultCollection
@@ -75,6 +75,13 @@ def run_loop(
     train_hook = f"on_{prefix}_model_train"
     custom_train_hook = not predicting and is_overridden(train_hook, module, LightningModule)
     modes = None if custom_train_hook else [(m, m.training) for m in module.modules()]
+    if trainer.state_stage == "fit":
+        # Lightning's rule: validation samplers follow the training epoch too (a sampler may shuffle by it).
+        for loader in loaders:
+            set_sampler_epoch(loader, trainer.progress.current_epoch)
+    # The first loader's pass starts before the stage's hooks, as Lightning's does (a DataLoader draws
+    # its seed from torch's generator then; with workers, its sampler runs then too).
+    first = iter(_batches_of(loaders[0])) if loaders and any(limits) else None
     runner.call_module(f"on_{prefix}_model_eval")
     runner.call(f"on_{prefix}_start")
     results: Optional[ResultCollection] = None
@@ -101,7 +108,7 @@ def run_loop(
             limit = limits[dl_idx]
             if limit == 0:
                 continue
-            batches = _batches_of(loader)
+            batches = first if dl_idx == 0 else _batches_of(loader)
             if profiler is not None:
                 batches = profiled_iter(profiler, fetch_action, iter(batches))
             for batch_idx, batch in enumerate(batches):
@@ -226,7 +233,7 @@ def run_predict(
 class PredictLoop:
     """What a ``trainer.predict`` run shows its callbacks, under Lightning's names (``trainer.predict_loop``)."""
 
-    def __init__(self, return_predictions: bool) -> None:
+    def __init__(self, return_predictions: bool = False) -> None:
         self.return_predictions = return_predictions
         # Per dataloader: the step outputs kept so far (filled by run_loop).
         self.outputs: list[list[Any]] = []

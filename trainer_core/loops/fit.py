@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+from lightning_utilities.core.overrides import is_overridden
 
 from trainer_core.callback_queries import monitoring_callbacks
 from trainer_core.checkpoint.restore import (
@@ -23,18 +24,21 @@ from trainer_core.checkpoint.restore import (
     resume_batch_at_another_world_size,
 )
 from trainer_core.checkpoint.rng import apply_rng_states, collect_rng_states
-from trainer_core.datamodule import hyperparameters_to_log
+from trainer_core.datamodule import LightningDataModule, log_stage_hyperparameters
 from trainer_core.errors import MisconfigurationException
 from trainer_core.loops.data import (
     batch_mover,
+    has_length,
     num_batches,
     resolve_stage_dataloaders,
     resolve_train_dataloader,
+    set_sampler_epoch,
     with_last_flag,
 )
 from trainer_core.loops.evaluation import run_loop
 from trainer_core.loops.schedulers import update_lr_schedulers
 from trainer_core.loops.training_step import TrainingStep
+from trainer_core.module import LightningModule
 from trainer_core.profilers.base import profiled, profiled_iter
 from trainer_core.utilities import rank_zero_warn
 from trainer_core.utilities.combined_loader import CombinedLoader, is_stateful
@@ -73,6 +77,8 @@ class FitLoop:
         self.pending_restore: Optional[PendingRestore] = None
         # Whether the train loader was made for the epoch about to start (reload_dataloaders_every_n_epochs).
         self._fresh_train_loader = False
+        # The first epoch's batch iterator, started before ``on_train_start`` as Lightning starts it.
+        self._first_epoch_iterator: Optional[Iterator[Any]] = None
 
     def run(self) -> None:
         t = self.trainer
@@ -80,10 +86,7 @@ class FitLoop:
         assert module is not None
         runner = t.hook_runner
         runner.call("on_fit_start")
-        hparams = hyperparameters_to_log(module, t.datamodule) if t.loggers else None
-        if hparams is not None:  # the module's and the data module's, merged (Lightning's record)
-            for lg in t.loggers:
-                lg.log_hyperparams(hparams)
+        log_stage_hyperparameters(t)
         if self.ckpt_path is not None:
             pending, self.pending_restore = self.pending_restore, None
             parts = t.checkpoint_parts()
@@ -97,6 +100,7 @@ class FitLoop:
             and t.limit_val_batches != 0
             and not t.progress.resume.mid_run
             and t.plugin.defines_step("validation_step")
+            and self._validation_data_defined()
         )
         # Without a sanity check the validation loaders are made once the training loader is, in the
         # first epoch that validates (Lightning's order and count of dataloader hook calls).
@@ -136,6 +140,11 @@ class FitLoop:
             # The loader just made is the one the first epoch would have reloaded.
             progress.train_loader_epoch = progress.current_epoch
             self._fresh_train_loader = True
+        if progress.paused_rng is None and t.limit_train_batches != 0:
+            # A run that does not resume starts its first pass with the loader (a resumed one places
+            # its pass when the epoch starts, from the saved generators).
+            progress.epoch_start_rng = collect_rng_states()
+            self._first_epoch_iterator = _started(self.train_loader)
         if self.val_loaders is None and self._validates_this_epoch():
             self.val_loaders = self._setup_val()
         runner = t.hook_runner
@@ -147,6 +156,7 @@ class FitLoop:
             train_epoch()
             progress.current_epoch += 1
             progress.resume.batch_idx = 0
+        self._first_epoch_iterator = None  # unread when the run had nothing to train
         # Stopped at an epoch's end: the generators stand where the next epoch would begin.
         self._pause()
         runner.call("on_train_end")
@@ -225,6 +235,15 @@ class FitLoop:
         """
         t = self.trainer
         return made_in is None or t.progress.current_epoch - made_in >= t.reload_dataloaders_every_n_epochs
+
+    def _validation_data_defined(self) -> bool:
+        """Whether validation data was given or a hook returns it: Lightning runs no sanity check otherwise."""
+        t = self.trainer
+        if self.val_source is not None:
+            return True
+        if t.datamodule is not None:
+            return is_overridden("val_dataloader", t.datamodule, LightningDataModule)
+        return is_overridden("val_dataloader", t.lightning_module, LightningModule)
 
     def _sanity_check(self) -> list[Any]:
         """A few validation batches before training, to fail fast; returns the validation loaders."""
@@ -323,8 +342,7 @@ class FitLoop:
         val_loaders = self.val_loaders or []
         loader = self.train_loader
         combined = isinstance(loader, CombinedLoader)
-        for each in loader.flattened if combined else (loader,):
-            _set_sampler_epoch(each, progress.current_epoch)
+        set_sampler_epoch(loader, progress.current_epoch)
 
         module.train()
         runner.call("on_train_epoch_start")
@@ -452,6 +470,9 @@ class FitLoop:
         progress.paused_rng = None
         fresh, self._fresh_train_loader = self._fresh_train_loader, False
         stateful = _keeps_position(loader)
+        first, self._first_epoch_iterator = self._first_epoch_iterator, None
+        if first is not None:
+            return first
         if resume_rng is None:
             progress.epoch_start_rng = collect_rng_states()
             if stateful and followed_an_epoch:
@@ -500,19 +521,23 @@ class FitLoop:
         module = t.lightning_module
         acc = t.accumulate_grad_batches
         at_boundary = acc == 1 or (progress.batch_idx + 1) % acc == 0 or progress.is_last_batch
-        if at_boundary or not module.automatic_optimization:
-            # Gradients are not needed until the next step: release their memory for validation.
-            t.hook_runner.call_module("on_validation_model_zero_grad")
-        if t.reload_dataloaders_every_n_epochs and self._reload_due(progress.val_loader_epoch):
-            self.val_loaders = self._setup_val()
-        run_loop(
-            t,
-            "validation",
-            self.val_loaders,
-            t.num_val_batches,
-            log=True,
-            step=max(0, progress.batches_that_stepped - 1),
-        )
+        t.validating_in_fit = True  # trainer.training/validating, as Lightning's running stage
+        try:
+            if at_boundary or not module.automatic_optimization:
+                # Gradients are not needed until the next step: release their memory for validation.
+                t.hook_runner.call_module("on_validation_model_zero_grad")
+            if t.reload_dataloaders_every_n_epochs and self._reload_due(progress.val_loader_epoch):
+                self.val_loaders = self._setup_val()
+            run_loop(
+                t,
+                "validation",
+                self.val_loaders,
+                t.num_val_batches,
+                log=True,
+                step=max(0, progress.batches_that_stepped - 1),
+            )
+        finally:
+            t.validating_in_fit = False
         t.metrics.results = t.metrics.train_results
         if step_plateau and module.automatic_optimization and at_boundary:
             update_lr_schedulers(t, "step", plateau=True)
@@ -565,15 +590,17 @@ def _batches_only(combined: Iterator[tuple[Any, int, int]]) -> Iterator[Any]:
         yield batch
 
 
-def _set_sampler_epoch(loader: Any, epoch: int) -> None:
-    """``set_epoch`` on the loader's sampler and on its batch sampler's (a DistributedSampler reshuffles by it)."""
-    sampler = getattr(loader, "sampler", None)
-    if callable(getattr(sampler, "set_epoch", None)):
-        sampler.set_epoch(epoch)
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    inner = getattr(batch_sampler, "sampler", None)
-    if callable(getattr(inner, "set_epoch", None)) and inner is not sampler:
-        inner.set_epoch(epoch)
+def _started(loader: Any) -> Iterator[Any]:
+    """A pass over ``loader`` begun as Lightning begins one: a loader without a length yields its first batch now.
+
+    Lightning reads one batch ahead of a loader without a length, to know its last batch; the pass
+    of every later epoch reads it just before the batch loop, where the loop's look-ahead does.
+    """
+    iterator = iter(loader)
+    if has_length(loader):
+        return iterator
+    first = next(iterator, _EXHAUSTED)
+    return iter(()) if first is _EXHAUSTED else itertools.chain((first,), iterator)
 
 
 def _keeps_position(loader: Any) -> bool:
