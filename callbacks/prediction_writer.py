@@ -9,7 +9,8 @@ without one it records nothing (``trainer_core.loops.evaluation``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 from trainer_core.callbacks.base import Callback
 from trainer_core.errors import MisconfigurationException
@@ -18,7 +19,24 @@ if TYPE_CHECKING:
     from trainer_core.module import LightningModule
     from trainer_core.trainer import Trainer
 
-WRITE_INTERVALS = ("batch", "epoch", "batch_and_epoch")
+
+class WriteInterval(str, Enum):
+    """When a :class:`BasePredictionWriter` writes; each member equals its string (``WriteInterval.BATCH == "batch"``)."""
+
+    BATCH = "batch"
+    EPOCH = "epoch"
+    BATCH_AND_EPOCH = "batch_and_epoch"
+
+    @property
+    def on_batch(self) -> bool:
+        return self in (WriteInterval.BATCH, WriteInterval.BATCH_AND_EPOCH)
+
+    @property
+    def on_epoch(self) -> bool:
+        return self in (WriteInterval.EPOCH, WriteInterval.BATCH_AND_EPOCH)
+
+
+WRITE_INTERVALS = tuple(interval.value for interval in WriteInterval)
 
 
 class BasePredictionWriter(Callback):
@@ -26,7 +44,7 @@ class BasePredictionWriter(Callback):
 
     Args:
         write_interval: ``"batch"`` (after each batch), ``"epoch"`` (once, with every prediction
-            of the run) or ``"batch_and_epoch"``.
+            of the run) or ``"batch_and_epoch"``, or the :class:`WriteInterval` of that value.
 
     Each rank writes its own predictions; under a distributed plugin every sample is predicted on
     exactly one rank, and ``batch_indices`` say which. ``trainer.predict(..., return_predictions=False)``
@@ -34,21 +52,23 @@ class BasePredictionWriter(Callback):
     drops them.
     """
 
-    def __init__(self, write_interval: Literal["batch", "epoch", "batch_and_epoch"] = "batch") -> None:
+    def __init__(
+        self, write_interval: Union[WriteInterval, Literal["batch", "epoch", "batch_and_epoch"]] = "batch"
+    ) -> None:
         if write_interval not in WRITE_INTERVALS:
             raise MisconfigurationException(
                 f"{type(self).__name__}(write_interval={write_interval!r}): use one of {', '.join(WRITE_INTERVALS)}."
             )
-        # Lightning's attribute name; its value compares equal to the string given.
-        self.interval = write_interval
+        # Lightning's attribute name and type; it compares equal to the string given.
+        self.interval = WriteInterval(write_interval)
 
     @property
     def writes_on_batch(self) -> bool:
-        return self.interval in ("batch", "batch_and_epoch")
+        return self.interval.on_batch
 
     @property
     def writes_on_epoch(self) -> bool:
-        return self.interval in ("epoch", "batch_and_epoch")
+        return self.interval.on_epoch
 
     def write_on_batch_end(
         self,
@@ -63,7 +83,7 @@ class BasePredictionWriter(Callback):
         """Write one batch's ``prediction``; ``batch_indices`` are its samples' indices in the data set
         (``None`` when the loader is not a ``DataLoader`` with a batch sampler)."""
         raise NotImplementedError(
-            f"{type(self).__name__}(write_interval={self.interval!r}) writes per batch: override write_on_batch_end."
+            f"{type(self).__name__}(write_interval={self.interval.value!r}) writes per batch: override write_on_batch_end."
         )
 
     def write_on_epoch_end(
@@ -80,7 +100,7 @@ class BasePredictionWriter(Callback):
         of the batches' index lists.
         """
         raise NotImplementedError(
-            f"{type(self).__name__}(write_interval={self.interval!r}) writes per epoch: override write_on_epoch_end."
+            f"{type(self).__name__}(write_interval={self.interval.value!r}) writes per epoch: override write_on_epoch_end."
         )
 
     def on_predict_batch_end(

@@ -145,30 +145,42 @@ class LightningDataModule:
         """The data module built from the hyper-parameters a checkpoint saved, with its ``state_dict`` loaded.
 
         ``hparams_file`` (``.yaml``/``.yml``/``.csv``) replaces the checkpoint's value of every
-        hyper-parameter it names and ``kwargs`` override both, as for ``LightningModule``. A PyTorch
-        Lightning checkpoint is read too (its data module part has the same layout). ``weights_only``
-        is accepted for Lightning's signature only: checkpoints are always read without running code.
+        hyper-parameter it names and ``kwargs`` override both, as for ``LightningModule``; of these,
+        ``__init__`` gets those it takes (all of them when it has ``**kwargs``), Lightning's rule, so a
+        data module whose arguments changed since the save still loads. A PyTorch Lightning checkpoint
+        is read too (its data module part has the same layout). ``weights_only`` is Lightning's: by
+        default the file is read without running code from it; ``False`` unpickles it whole, for a
+        file you trust.
         """
-        from trainer_core.checkpoint.format import KEY_DATAMODULE, validate_checkpoint
-        from trainer_core.errors import CheckpointError, MisconfigurationException
-        from trainer_core.plugins.io import TorchCheckpointIO
+        from trainer_core.checkpoint.format import trusted_unpickling
 
         path = os.fspath(checkpoint_path)
-        checkpoint = TorchCheckpointIO().load_checkpoint(path, map_location=map_location)
-        if isinstance(checkpoint, dict) and KEY_LIGHTNING_VERSION in checkpoint:
-            state = checkpoint.get(cls.__qualname__)  # Lightning keys the state by the class's name
-        else:
-            validate_checkpoint(checkpoint, path)
-            state = checkpoint.get(KEY_DATAMODULE)
-        hparams = dict(checkpoint.get(KEY_DATAMODULE_HPARAMS) or {})
+        with trusted_unpickling(weights_only is False):
+            checkpoint = _read_checkpoint(path, map_location)
+        return cls._from_checkpoint(checkpoint, path, hparams_file, kwargs)
+
+    @classmethod
+    def _from_checkpoint(
+        cls,
+        checkpoint: dict[str, Any],
+        path: str,
+        hparams_file: Optional[Union[str, os.PathLike]],
+        overrides: dict[str, Any],
+    ) -> LightningDataModule:
+        from trainer_core.checkpoint.format import KEY_DATAMODULE
+        from trainer_core.checkpoint.restore import _accepted_by_init
+        from trainer_core.errors import CheckpointError, MisconfigurationException
+
+        lightning = KEY_LIGHTNING_VERSION in checkpoint  # Lightning keys the state by the class's name
+        state = checkpoint.get(cls.__qualname__ if lightning else KEY_DATAMODULE)
         if hparams_file is not None:
-            hparams.update(_load_hparams_file(hparams_file))
-        hparams.update(kwargs)
+            overrides = {**_load_hparams_file(hparams_file), **overrides}
+        hparams = {**(checkpoint.get(KEY_DATAMODULE_HPARAMS) or {}), **overrides}
         name = hparams_argument(cls, checkpoint.get(KEY_DATAMODULE_HPARAMS_NAME))
         if name:  # `__init__(self, config)` with `save_hyperparameters(config)`: the dict goes back whole
-            hparams = {name: hparams}
+            hparams = {name: hparams, **{k: v for k, v in overrides.items() if k != name}}
         try:
-            datamodule = cls(**hparams)
+            datamodule = cls(**_accepted_by_init(cls, hparams))
         except (CheckpointError, MisconfigurationException):
             raise
         except Exception as err:  # a missing argument, or a value the data module refuses
@@ -276,3 +288,17 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:
         return a is b
+
+
+def _read_checkpoint(path: str, map_location: Any) -> dict[str, Any]:
+    """The checkpoint at ``path``, checked when it is trainer-core's; ``map_location=None`` keeps tensors on a device this machine has."""
+    from trainer_core.checkpoint.format import validate_checkpoint
+    from trainer_core.checkpoint.restore import _to_available_device
+    from trainer_core.plugins.io import TorchCheckpointIO
+
+    if map_location is None:
+        map_location = _to_available_device
+    checkpoint = TorchCheckpointIO().load_checkpoint(path, map_location=map_location)
+    if not (isinstance(checkpoint, dict) and KEY_LIGHTNING_VERSION in checkpoint):
+        validate_checkpoint(checkpoint, path)
+    return checkpoint

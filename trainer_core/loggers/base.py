@@ -40,6 +40,11 @@ class Logger(ABC):
     def log_dir(self) -> Optional[str]:
         return None
 
+    @property
+    def group_separator(self) -> str:
+        """What joins a group and a name in a metric's key (``grad_norm``'s ``grad_2.0_norm/layer.weight``)."""
+        return "/"
+
     @abstractmethod
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
         """Record ``metrics`` (``{name: float}``) at training step ``step``."""
@@ -105,11 +110,17 @@ class FolderLogger(Logger):
         return paths.join(self.root_dir, version_folder(self.version))
 
     def _write_hparams_file(self, params: dict[str, Any]) -> None:
-        """``params`` as ``<log_dir>/hparams.yaml`` (what ``load_from_checkpoint(hparams_file=...)`` reads)."""
-        fs, folder = paths.resolve(self.log_dir, **self._storage_options)
-        fs.makedirs(folder, exist_ok=True)
-        with fs.open(f"{folder}/{HPARAMS_FILE}", "w") as f:
-            f.write(hparams_to_yaml(params))
+        write_hparams_file(self.log_dir, params, self._storage_options)
+
+
+def write_hparams_file(
+    log_dir: str, params: dict[str, Any], storage_options: Optional[dict[str, Any]] = None
+) -> None:
+    """``params`` as ``<log_dir>/hparams.yaml`` (what ``load_from_checkpoint(hparams_file=...)`` reads)."""
+    fs, folder = paths.resolve(log_dir, **(storage_options or {}))
+    fs.makedirs(folder, exist_ok=True)
+    with fs.open(f"{folder}/{HPARAMS_FILE}", "w") as f:
+        f.write(hparams_to_yaml(params))
 
 
 def next_version(root: str, storage_options: Optional[dict[str, Any]] = None) -> int:

@@ -8,19 +8,76 @@ import os
 from argparse import Namespace
 from typing import Any, Optional, Union
 
+import torch
+
 from trainer_core import paths
-from trainer_core.loggers.base import FolderLogger, as_dict
+from trainer_core.loggers.base import FolderLogger, as_dict, rank_zero_experiment, write_hparams_file
 from trainer_core.utilities import rank_zero_only
 
 METRICS_FILE = "metrics.csv"
+
+
+class ExperimentWriter:
+    """What ``CSVLogger.experiment`` is (Lightning's ``ExperimentWriter``): the rows not yet written and their files.
+
+    A program may log through it directly (``logger.experiment.log_metrics(...)``, ``.save()``);
+    the rows it takes are the logger's own, written by the same ``save``.
+    """
+
+    NAME_METRICS_FILE = METRICS_FILE
+
+    def __init__(self, log_dir: str, storage_options: Optional[dict[str, Any]] = None) -> None:
+        self.log_dir = log_dir
+        self.metrics_file_path = paths.join(log_dir, METRICS_FILE)
+        self.metrics: list[dict[str, Any]] = []
+        self.metrics_keys: list[str] = []
+        self.hparams: dict[str, Any] = {}
+        self._storage_options = storage_options or {}
+        fs, folder = paths.resolve(log_dir, **self._storage_options)
+        fs.makedirs(folder, exist_ok=True)
+        self._target = (fs, f"{folder}/{METRICS_FILE}")
+
+    def log_metrics(self, metrics_dict: dict[str, Any], step: Optional[int] = None) -> None:
+        """Buffer one row; without ``step``, the row's number among those not yet saved (Lightning's rule)."""
+        if step is None:
+            step = len(self.metrics)
+        row = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in metrics_dict.items()}
+        row["step"] = step
+        self.metrics.append(row)
+
+    def log_hparams(self, params: dict[str, Any]) -> None:
+        """Add ``params`` to those recorded and rewrite ``hparams.yaml`` with all of them (Lightning's rule)."""
+        self.hparams.update(params)
+        write_hparams_file(self.log_dir, self.hparams, self._storage_options)
+
+    def save(self) -> None:
+        """Write the buffered rows to ``metrics.csv``; rows already there are kept, under the new header if it grew."""
+        if not self.metrics:
+            return
+        fs, path = self._target
+        new_keys = [k for row in self.metrics for k in row if k not in self.metrics_keys]
+        # Once the header is written, the common case appends without asking the store.
+        if new_keys or not self.metrics_keys:
+            old_rows = _read_rows(fs, path) if fs.exists(path) else []
+            for key in new_keys:
+                if key not in self.metrics_keys:
+                    self.metrics_keys.append(key)
+            self.metrics_keys = ["step", *sorted(k for k in self.metrics_keys if k != "step")]
+            _write_rows(fs, path, self.metrics_keys, old_rows + self.metrics, mode="w")
+        else:
+            _append_rows(fs, path, self.metrics_keys, self.metrics)
+        self.metrics = []
 
 
 class CSVLogger(FolderLogger):
     """Write ``<save_dir>/<name>/version_<n>/metrics.csv`` on global rank 0.
 
     Rows are buffered and written every ``flush_logs_every_n_steps`` logging calls and at the end
-    of each epoch, so the training step never waits on the file system.
+    of each epoch, so the training step never waits on the file system. ``prefix`` starts every
+    metric's name, joined with ``LOGGER_JOIN_CHAR`` as in Lightning.
     """
+
+    LOGGER_JOIN_CHAR = "-"
 
     def __init__(
         self,
@@ -34,52 +91,39 @@ class CSVLogger(FolderLogger):
         super().__init__(save_dir, name, version, storage_options)
         self._prefix = prefix
         self._flush_every = flush_logs_every_n_steps
-        self._rows: list[dict[str, Any]] = []
-        self._target: Optional[tuple[Any, str]] = None
-        self._keys: list[str] = []
+        self._experiment: Optional[ExperimentWriter] = None
         self._calls = 0
-        self._hparams: dict[str, Any] = {}
 
     @property
     def metrics_file_path(self) -> str:
         return paths.join(self.log_dir, METRICS_FILE)
 
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        """The writer of this run's files, made (with the version folder) on first use."""
+        if self._experiment is None:
+            self._experiment = ExperimentWriter(self.log_dir, self._storage_options)
+        return self._experiment
+
     @rank_zero_only
     def log_hyperparams(self, params: Union[dict[str, Any], Namespace]) -> None:
         # Each call adds to what earlier calls recorded (Lightning's rule); the file holds all of it.
-        self._hparams.update(as_dict(params))
-        self._write_hparams_file(self._hparams)
+        self.experiment.log_hparams(as_dict(params))
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
-        row = {f"{self._prefix}{k}" if self._prefix else k: v for k, v in metrics.items()}
-        row["step"] = step
-        self._rows.append(row)
+        if self._prefix:
+            metrics = {f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}": v for k, v in metrics.items()}
+        self.experiment.log_metrics(metrics, step)
         self._calls += 1
         if self._calls % self._flush_every == 0:
             self.save()
 
     @rank_zero_only
     def save(self) -> None:
-        if not self._rows:
-            return
-        if self._target is None:
-            fs, folder = paths.resolve(self.log_dir, **self._storage_options)
-            fs.makedirs(folder, exist_ok=True)
-            self._target = (fs, f"{folder}/{METRICS_FILE}")
-        fs, path = self._target
-        new_keys = [k for row in self._rows for k in row if k not in self._keys]
-        # Once this logger has written the header, the common case appends without asking the store.
-        if new_keys or not self._keys:
-            old_rows = _read_rows(fs, path) if fs.exists(path) else []
-            for key in new_keys:
-                if key not in self._keys:
-                    self._keys.append(key)
-            self._keys = ["step", *sorted(k for k in self._keys if k != "step")]
-            _write_rows(fs, path, self._keys, old_rows + self._rows, mode="w")
-        else:
-            _append_rows(fs, path, self._keys, self._rows)
-        self._rows = []
+        if self._experiment is not None:  # nothing logged yet: no folder to make
+            self._experiment.save()
 
 
 def _read_rows(fs: Any, path: str) -> list[dict[str, Any]]:
