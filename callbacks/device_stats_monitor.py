@@ -104,7 +104,11 @@ class DeviceStatsMonitor(Callback):
 
     def _eval_step(self, trainer: Trainer) -> int:
         # Inside fit, validation runs after the Trainer counted the batch that called it.
-        return max(0, trainer.batches_that_stepped - 1) if trainer.state_stage == "fit" else trainer.batches_that_stepped
+        return (
+            max(0, trainer.batches_that_stepped - 1)
+            if trainer.state_stage == "fit"
+            else trainer.batches_that_stepped
+        )
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int

@@ -28,10 +28,8 @@ HOOKS = (
 
 def state(trainer: Any) -> tuple[Any, ...]:
     st = trainer.state
-    return tuple(None if v is None else v.value for v in (st.fn, st.stage, st.status)) + (
-        st.finished,
-        st.stopped,
-    )
+    names = tuple(None if v is None else v.value for v in (st.fn, st.stage, st.status))
+    return (*names, st.finished, st.stopped)
 
 
 def flags_seen(framework: Any, root: Any) -> list[tuple[Any, ...]]:
