@@ -2,14 +2,15 @@
 
 The same events as ``TQDMProgressBar`` (training, validation, test and predict bars on global
 rank 0), drawn by ``rich.progress``. Rich redraws only when this callback asks (no background
-thread reading the trainer's metrics while a step runs), at most ``refresh_rate`` batches apart
-and at most ten times a second, so a fast loop pays for neither the metrics text nor the drawing
-on every step.
+thread reading the trainer's metrics while a step runs), at most ``refresh_rate`` times a second
+(Lightning's meaning) and never more than ten, so a fast loop pays for neither the metrics text nor
+the drawing on every step.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from trainer_core.callbacks.model_summary import import_rich_console
@@ -21,6 +22,34 @@ if TYPE_CHECKING:
     from trainer_core.trainer import Trainer
 
 _MIN_REDRAW_SECONDS = 0.1
+
+
+@dataclass
+class RichProgressBarTheme:
+    """The styles of the bars' parts (rich style strings or ``rich.style.Style``), Lightning's fields.
+
+    ``metrics_format`` formats each metric that is not a string; ``metrics_text_delimiter`` joins them.
+    """
+
+    description: Any = ""
+    progress_bar: Any = "#6206E0"
+    progress_bar_finished: Any = "#6206E0"
+    progress_bar_pulse: Any = "#6206E0"
+    batch_progress: Any = ""
+    time: Any = "dim"
+    processing_speed: Any = "dim underline"
+    metrics: Any = "italic"
+    metrics_text_delimiter: str = " "
+    metrics_format: str = ".3f"
+
+
+def _metric_text(name: str, value: Any, fmt: str) -> str:
+    if not isinstance(value, str):
+        try:
+            value = f"{value:{fmt}}"
+        except (TypeError, ValueError):
+            value = str(value)
+    return f"{name}: {value}"
 
 
 def _import_rich() -> Any:
@@ -39,13 +68,18 @@ class RichProgressBar(ProgressBar):
     """Progress bars drawn with ``rich``.
 
     Args:
-        refresh_rate: batches between updates (``0`` disables the bar).
+        refresh_rate: redraws per second, as in Lightning, at most ten (``0`` disables the bar).
         leave: keep the finished training bar of each epoch on screen.
+        theme: the styles of the bars' parts and how metrics are written.
         console_kwargs: arguments for ``rich.console.Console`` (e.g. ``file=``, ``width=``).
     """
 
     def __init__(
-        self, refresh_rate: int = 1, leave: bool = False, console_kwargs: Optional[dict[str, Any]] = None
+        self,
+        refresh_rate: int = 100,
+        leave: bool = False,
+        theme: Optional[RichProgressBarTheme] = None,
+        console_kwargs: Optional[dict[str, Any]] = None,
     ) -> None:
         self._rich = _import_rich()
         if isinstance(refresh_rate, bool) or not isinstance(refresh_rate, int) or refresh_rate < 0:
@@ -55,6 +89,8 @@ class RichProgressBar(ProgressBar):
         super().__init__()
         self.refresh_rate = refresh_rate
         self.leave = leave
+        self.theme = theme if theme is not None else RichProgressBarTheme()
+        self._min_redraw_seconds = max(_MIN_REDRAW_SECONDS, 1 / refresh_rate) if refresh_rate else 0.0
         self._console_kwargs = dict(console_kwargs or {})
         self.progress: Any = None
         self.train_progress_bar_id: Optional[int] = None
@@ -86,13 +122,20 @@ class RichProgressBar(ProgressBar):
 
                 if task.id != bar.train_progress_bar_id or bar._trainer is None:
                     return Text("")
+                theme = bar.theme
                 metrics = bar.get_metrics(bar._trainer, bar._trainer.lightning_module)
-                return Text(" ".join(f"{k}: {bar.format_value(v)}" for k, v in metrics.items()))
+                texts = (_metric_text(k, v, theme.metrics_format) for k, v in metrics.items())
+                return Text(theme.metrics_text_delimiter.join(texts), style=theme.metrics)
 
         self._trainer = trainer
+        theme = self.theme
         self.progress = rp.Progress(
-            rp.TextColumn("[progress.description]{task.description}"),
-            rp.BarColumn(),
+            rp.TextColumn("{task.description}", style=theme.description),
+            rp.BarColumn(
+                complete_style=theme.progress_bar,
+                finished_style=theme.progress_bar_finished,
+                pulse_style=theme.progress_bar_pulse,
+            ),
             rp.MofNCompleteColumn(),
             rp.TimeElapsedColumn(),
             MetricsColumn(),
@@ -103,16 +146,15 @@ class RichProgressBar(ProgressBar):
 
     def _redraw(self, force: bool = False) -> None:
         now = time.monotonic()
-        if force or now - self._last_redraw >= _MIN_REDRAW_SECONDS:
+        if force or now - self._last_redraw >= self._min_redraw_seconds:
             self._last_redraw = now
             self.progress.refresh()
 
     def _advance(self, task_id: Optional[int], batch_idx: int, last: bool = False) -> None:
         if task_id is None:
             return
-        if last or (batch_idx + 1) % self.refresh_rate == 0:
-            self.progress.update(task_id, completed=batch_idx + 1)
-            self._redraw(force=last)
+        self.progress.update(task_id, completed=batch_idx + 1)
+        self._redraw(force=last)
 
     def _advance_eval(self, task_id: Optional[int]) -> None:
         if task_id is not None:
@@ -173,7 +215,10 @@ class RichProgressBar(ProgressBar):
         if not self.is_enabled:
             return
         self._start(trainer)
-        self.val_progress_bar_id = self._add_task(self.validation_description, self.total_val_batches)
+        description = (
+            self.sanity_check_description if trainer.sanity_checking else self.validation_description
+        )
+        self.val_progress_bar_id = self._add_task(description, self.total_val_batches)
         self._redraw(force=True)
 
     def on_validation_batch_end(

@@ -84,12 +84,13 @@ def test_tqdm_refresh_rate_counts_and_validation_bar() -> None:
     assert trainer.progress_bar_callback is bar
     # Updated every 5 batches and at the last one.
     assert probe.train_counts == [0, 0, 0, 0, 5, 5, 5, 5, 5, 10, 10, 10, 13]
-    # A sanity-check bar of 1 batch, then the epoch's validation bar of 3 batches, drawn at its last.
+    # A sanity-check bar of 1 batch, then the epoch's validation bar of 3 batches, drawn at its last
+    # (named per dataloader, as Lightning's).
     assert probe.val_counts == [
-        ("Sanity Checking", 1, 1),
-        ("Validation", 0, 3),
-        ("Validation", 0, 3),
-        ("Validation", 3, 3),
+        ("Sanity Checking DataLoader 0: ", 1, 1),
+        ("Validation DataLoader 0: ", 0, 3),
+        ("Validation DataLoader 0: ", 0, 3),
+        ("Validation DataLoader 0: ", 3, 3),
     ]
     text = out.getvalue()
     assert "Epoch 0" in text and "13/13" in text
@@ -105,7 +106,7 @@ def test_tqdm_validation_bar_counts_every_batch_at_refresh_rate_one() -> None:
     probe = Probe(bar)
     _fit(bar, probe, num_sanity_val_steps=0)
     assert probe.train_counts == list(range(1, BATCHES + 1))
-    assert probe.val_counts == [("Validation", n, 3) for n in (1, 2, 3)]
+    assert probe.val_counts == [("Validation DataLoader 0: ", n, 3) for n in (1, 2, 3)]
 
 
 def test_tqdm_refresh_rate_zero_draws_nothing() -> None:
@@ -127,7 +128,7 @@ def test_rich_bar_draws_training_validation_and_metrics() -> None:
     text = out.getvalue()
     assert "Epoch 0" in text and f"{BATCHES}/{BATCHES}" in text
     assert "Validation" in text and "3/3" in text
-    assert f"train_loss: {trainer.progress_bar_metrics['train_loss']:.3g}" in text
+    assert f"train_loss: {trainer.progress_bar_metrics['train_loss']:.3f}" in text  # Lightning's format
     assert "hidden_metric" not in text
     assert bar.progress is None  # stopped at the end of training
 
