@@ -282,12 +282,7 @@ class Trainer:
     ) -> list[dict[str, float]]:
         """Run the validation loop once; returns one dict of epoch metrics per dataloader.
 
-        ``weights_only`` is Lightning's: how ``ckpt_path`` is unpickled. ``None`` (the default) and ``True``
-        read it without running code from it (trainer-core's safe loading, which also takes Lightning's
-        checkpoints and the classes registered with ``register_safe_globals``); a file whose
-        hyper-parameters hold other objects (an ``nn.Module``, a ``functools.partial``) is refused with an
-        error naming it. ``False`` unpickles the whole file, which runs any code it names: only for
-        files you trust.
+        ``weights_only``: how ``ckpt_path`` is unpickled, as in :meth:`fit`.
         """
         self._trusted_ckpt = weights_only is False
         return self._evaluate("validate", model, dataloaders, ckpt_path, verbose, datamodule)
@@ -303,12 +298,7 @@ class Trainer:
     ) -> list[dict[str, float]]:
         """Run the test loop once; returns one dict of epoch metrics per dataloader.
 
-        ``weights_only`` is Lightning's: how ``ckpt_path`` is unpickled. ``None`` (the default) and ``True``
-        read it without running code from it (trainer-core's safe loading, which also takes Lightning's
-        checkpoints and the classes registered with ``register_safe_globals``); a file whose
-        hyper-parameters hold other objects (an ``nn.Module``, a ``functools.partial``) is refused with an
-        error naming it. ``False`` unpickles the whole file, which runs any code it names: only for
-        files you trust.
+        ``weights_only``: how ``ckpt_path`` is unpickled, as in :meth:`fit`.
         """
         self._trusted_ckpt = weights_only is False
         return self._evaluate("test", model, dataloaders, ckpt_path, verbose, datamodule)
@@ -324,12 +314,7 @@ class Trainer:
     ) -> Optional[list[Any]]:
         """Run ``predict_step`` over the data; returns the predictions (a list per dataloader if several).
 
-        ``weights_only`` is Lightning's: how ``ckpt_path`` is unpickled. ``None`` (the default) and ``True``
-        read it without running code from it (trainer-core's safe loading, which also takes Lightning's
-        checkpoints and the classes registered with ``register_safe_globals``); a file whose
-        hyper-parameters hold other objects (an ``nn.Module``, a ``functools.partial``) is refused with an
-        error naming it. ``False`` unpickles the whole file, which runs any code it names: only for
-        files you trust.
+        ``weights_only``: how ``ckpt_path`` is unpickled, as in :meth:`fit`.
         """
         self._trusted_ckpt = weights_only is False
         ckpt_path = self._default_ckpt_path("predict", model, ckpt_path)
