@@ -27,8 +27,9 @@ test: $(VENV)/.installed-test
 # The reliability suite at full size (RELIABILITY.md): 50 SIGKILL trials per kind of save and a
 # 10,000-step load run (figures in bench_results/reliability/ as JSON), then the whole resume,
 # plugin-equivalence, resharding (table in bench_results/reshard_matrix.md) and model-parallel matrices
-# (FULL_MATRIX=1), Lightning's own programs run under Lightning beside trainer-core (CORPUS_LIVE=1), and
-# the loader fuzzer at 2,000 examples per file kind (FUZZ_SEED=N picks another draw; the seed is printed).
+# (FULL_MATRIX=1), Lightning's own programs and the third-party corpus run under Lightning beside trainer-core
+# (CORPUS_LIVE=1), and the loader fuzzer at 2,000 examples per file kind (FUZZ_SEED=N picks another draw; the
+# seed is printed).
 stress: $(VENV)/.installed-test
 	KILL_TRIALS=50 LOAD_STEPS=10000 RELIABILITY_REPORT=bench_results/reliability \
 		$(PY) -m pytest -s -p no:cacheprovider tests/reliability/test_kill_during_save.py tests/reliability/test_load.py $(PYTEST_ARGS)
