@@ -263,7 +263,15 @@ class _GuardedStream(GuardedWriter):
 
 
 def _map(obj: Any, location: Any) -> Any:
+    """``map_location`` applied to a folder's tensors, which DCP reads to the CPU: a device or its name moves them;
+    a dict or a ``(storage, location)`` callable (``torch.load``'s forms) is asked about location ``"cpu"``."""
     if isinstance(obj, torch.Tensor):
+        if isinstance(location, dict):
+            target = location.get("cpu")
+            return obj if target is None else obj.to(target)
+        if callable(location):
+            moved = location(obj, "cpu")
+            return obj if moved is None else moved
         return obj.to(location)
     if isinstance(obj, dict):
         return {k: _map(v, location) for k, v in obj.items()}

@@ -157,3 +157,21 @@ def test_a_shape_that_differs_is_an_error_even_with_strict_false(saved_by_a: dic
         _load_b(tc, path, strict=False, hidden=6)
     for error in (theirs.value, ours.value):
         assert "encoder.weight" in str(error) and "shape" in str(error).lower()
+
+
+@pytest.mark.parametrize("map_location", MAP_LOCATIONS.values(), ids=MAP_LOCATIONS.keys())
+def test_a_sharded_folder_loads_with_every_map_location(
+    map_location: Any, saved_by_a: dict[str, Path], tmp_path: Path
+) -> None:
+    """The same checkpoint as a DCP folder (which a sharded plugin writes) loads into ``B`` as the file does, for
+    each form of ``map_location``: the folder's tensors are read to the CPU and then mapped."""
+    from trainer_core.plugins.io import DistributedCheckpointIO, TorchCheckpointIO
+
+    folder = tmp_path / "sharded.ckpt"
+    DistributedCheckpointIO().save_checkpoint(
+        TorchCheckpointIO().load_checkpoint(saved_by_a["trainer_core"]), str(folder)
+    )
+    from_file, _ = _load_b(tc, saved_by_a["trainer_core"], strict=False)
+    from_folder, _ = _load_b(tc, folder, map_location=map_location, strict=False)
+    _assert_same_weights(from_folder, from_file)
+    assert dict(from_folder.hparams) == dict(from_file.hparams) == {"hidden": 5, "classes": 3}
