@@ -228,6 +228,24 @@ def _resolve_refresh_rate(refresh_rate: int) -> int:
     return refresh_rate
 
 
+class _BarSlot:
+    """``bar.train_progress_bar`` and its kin: the bar kept as ``_<name>``, a ``TypeError`` before one is set."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr = f"_{name}"
+
+    def __get__(self, obj: Any, owner: type) -> Any:
+        if obj is None:
+            return self
+        bar = getattr(obj, self.attr)
+        if bar is None:
+            raise TypeError(f"The `{type(obj).__name__}.{self.attr}` reference has not been set yet.")
+        return bar
+
+    def __set__(self, obj: Any, bar: Any) -> None:
+        setattr(obj, self.attr, bar)
+
+
 class TQDMProgressBar(ProgressBar):
     """Lightning's progress bars: sanity check, training, validation, test and predict.
 
@@ -266,43 +284,10 @@ class TQDMProgressBar(ProgressBar):
         return {k: None if isinstance(v, _tqdm) else v for k, v in vars(self).items()}
 
     # ------------------------------------------------------------------ Lightning's members
-    def _bar(self, name: str) -> _tqdm:
-        bar = getattr(self, f"_{name}")
-        if bar is None:
-            raise TypeError(f"The `{type(self).__name__}._{name}` reference has not been set yet.")
-        return bar
-
-    @property
-    def train_progress_bar(self) -> _tqdm:
-        return self._bar("train_progress_bar")
-
-    @train_progress_bar.setter
-    def train_progress_bar(self, bar: _tqdm) -> None:
-        self._train_progress_bar = bar
-
-    @property
-    def val_progress_bar(self) -> _tqdm:
-        return self._bar("val_progress_bar")
-
-    @val_progress_bar.setter
-    def val_progress_bar(self, bar: _tqdm) -> None:
-        self._val_progress_bar = bar
-
-    @property
-    def test_progress_bar(self) -> _tqdm:
-        return self._bar("test_progress_bar")
-
-    @test_progress_bar.setter
-    def test_progress_bar(self, bar: _tqdm) -> None:
-        self._test_progress_bar = bar
-
-    @property
-    def predict_progress_bar(self) -> _tqdm:
-        return self._bar("predict_progress_bar")
-
-    @predict_progress_bar.setter
-    def predict_progress_bar(self, bar: _tqdm) -> None:
-        self._predict_progress_bar = bar
+    train_progress_bar = _BarSlot()
+    val_progress_bar = _BarSlot()
+    test_progress_bar = _BarSlot()
+    predict_progress_bar = _BarSlot()
 
     @property
     def refresh_rate(self) -> int:
