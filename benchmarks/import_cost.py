@@ -4,18 +4,26 @@ Every process of a run pays its imports: each rank of a distributed job, each CL
 (``python -m trainer_core.checkpoint ...``). torch itself is the floor; this measures what comes on
 top of it. Cases, each in a fresh process:
 
-* ``torch``            ``import torch``
-* ``trainer-core``     ``import torch`` then ``import trainer_core``
-* ``lightning``        ``import torch`` then ``import lightning.pytorch`` (or ``pytorch_lightning``,
-                       whichever is installed; skipped with a note when neither is)
-* ``tc+dcp-io``        ``import torch`` then ``import trainer_core`` and
-                       ``from trainer_core.plugins import DistributedCheckpointIO``: the part that
-                       loads on first use (``torch.distributed.checkpoint`` and DTensor), paid only
-                       by a run that writes sharded checkpoints.
+* ``torch``              ``import torch``
+* ``trainer-core``       ``import torch`` then ``import trainer_core``
+* ``tc-trainer``         ``import torch`` then ``from trainer_core import Trainer, LightningModule``
+* ``pytorch_lightning``  ``import torch`` then ``import pytorch_lightning``
+* ``lightning``          ``import torch`` then ``import lightning.pytorch``
+                         (each Lightning case skipped with a note when it is not installed)
+* ``tc+dcp-io``          ``import torch`` then ``import trainer_core`` and
+                         ``from trainer_core.plugins import DistributedCheckpointIO``: the part that
+                         loads on first use (``torch.distributed.checkpoint`` and DTensor), paid only
+                         by a run that writes sharded checkpoints.
 
 Each process times ``import torch`` and, separately, what it imports next (``time.perf_counter``
 around each statement, interpreter start-up excluded), so ``added`` is measured in the same
-process as the torch it adds to. Cases are interleaved and rotated across repeats so that noise on
+process as the torch it adds to. ``of it gc`` is the part of ``added`` spent in Python's garbage
+collector: with torch's objects alive a full collection takes a tenth of a second or more, and an
+import that allocates enough triggers one (a later one then falls in the run instead).
+
+CLI start-up is timed as whole processes: ``python -m trainer_core --help`` beside
+``python -c "import torch"``, interleaved the same way (``--cases`` names them ``cli-help`` and
+``torch-process``). Cases are interleaved and rotated across repeats so that noise on
 a shared machine hits all of them alike; one untimed run per case comes first, and workers cache
 bytecode under ``bench_results/pycache`` even when PYTHONDONTWRITEBYTECODE is set (an installed
 package ships bytecode; an editable checkout would otherwise be recompiled in every process).
@@ -45,37 +53,40 @@ QUICK_REPEATS = 3
 TARGET_CASE = "trainer-core"
 TARGET_ADDED_S = 0.15
 
-_LIGHTNING_PROBES = ("lightning.pytorch", "pytorch_lightning")
 # What each case imports after torch (None: torch alone).
 CASES: dict[str, Optional[str]] = {
     "torch": None,
     "trainer-core": "import trainer_core",
-    "lightning": None,  # filled in by _lightning_statement(), or skipped
+    "tc-trainer": "from trainer_core import Trainer, LightningModule",
+    "pytorch_lightning": "import pytorch_lightning",
+    "lightning": "import lightning.pytorch",
     "tc+dcp-io": "import trainer_core\nfrom trainer_core.plugins import DistributedCheckpointIO",
+}
+_OPTIONAL_CASES = ("pytorch_lightning", "lightning")
+# Whole processes: the command line after the interpreter.
+PROCESS_CASES: dict[str, list[str]] = {
+    "torch-process": ["-c", "import torch"],
+    "cli-help": ["-m", "trainer_core", "--help"],
 }
 
 # The worker is a bare interpreter running this program: importing the benchmark's own helpers
 # there would load modules (json, subprocess, ...) that the measured import then finds loaded.
 _WORKER = """
-import time
+import gc, time
 start = time.perf_counter()
 import torch
 torch_done = time.perf_counter()
+gc_s = [0.0, 0.0]
+def _gc(phase, info):
+    if phase == "start":
+        gc_s[1] = time.perf_counter()
+    else:
+        gc_s[0] += time.perf_counter() - gc_s[1]
+gc.callbacks.append(_gc)
 exec(compile({after!r}, "<import>", "exec"))
 end = time.perf_counter()
-print("RESULT", torch_done - start, end - torch_done)
+print("RESULT", torch_done - start, end - torch_done, gc_s[0])
 """
-
-
-def _lightning_statement() -> tuple[Optional[str], Optional[str]]:
-    """The Lightning import to compare with, or ``(None, why)`` when none is installed."""
-    reasons = []
-    for module in _LIGHTNING_PROBES:
-        reason = common.probe_import(f"import {module}")
-        if reason is None:
-            return f"import {module}", None
-        reasons.append(f"{module}: {reason}")
-    return None, "; ".join(reasons)
 
 
 def _worker_cwd() -> str:
@@ -100,17 +111,41 @@ def _run_case(after: Optional[str], timeout: float = 300.0) -> dict[str, float]:
     if proc.returncode != 0 or not lines:
         tail = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
         raise common.WorkerError(f"import of {after!r} failed: {tail[0]}")
-    torch_s, added_s = (float(x) for x in lines[-1].split()[1:3])
-    return {"torch_s": torch_s, "added_s": added_s, "total_s": torch_s + added_s}
+    torch_s, added_s, gc_s = (float(x) for x in lines[-1].split()[1:4])
+    return {"torch_s": torch_s, "added_s": added_s, "gc_s": gc_s, "total_s": torch_s + added_s}
+
+
+def _run_process(args: list[str], timeout: float = 300.0) -> dict[str, float]:
+    """One whole process (interpreter start-up included): its wall-clock seconds."""
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        env=common.worker_env(),
+        cwd=_worker_cwd(),
+        timeout=timeout,
+        check=False,
+    )
+    wall_s = time.perf_counter() - start
+    if proc.returncode != 0:
+        tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        raise common.WorkerError(f"{' '.join(args)} failed: {tail[0]}")
+    return {"wall_s": wall_s}
+
+
+def _run(name: str, cases: dict[str, Optional[str]]) -> dict[str, float]:
+    if name in PROCESS_CASES:
+        return _run_process(PROCESS_CASES[name])
+    return _run_case(cases[name])
 
 
 def _measure(cases: dict[str, Optional[str]], repeats: int) -> tuple[list[dict[str, Any]], dict[str, str]]:
     samples: list[dict[str, Any]] = []
     failures: dict[str, str] = {}
     common.log("priming (one untimed process per case: bytecode and file-system caches)")
-    for name, after in cases.items():
+    for name in cases:
         try:
-            _run_case(after)
+            _run(name, cases)
         except (common.WorkerError, subprocess.TimeoutExpired) as err:
             failures[name] = str(err)
             common.log(f"{name} failed; dropping it from this run: {err}")
@@ -120,16 +155,19 @@ def _measure(cases: dict[str, Optional[str]], repeats: int) -> tuple[list[dict[s
             if name in failures:
                 continue
             try:
-                result = _run_case(cases[name])
+                result = _run(name, cases)
             except (common.WorkerError, subprocess.TimeoutExpired) as err:
                 failures[name] = str(err)
                 common.log(f"{name} failed; dropping it from this run: {err}")
                 continue
             samples.append({"case": name, "repeat": repeat, **result})
-            common.log(
-                f"[{repeat + 1}/{repeats}] {name:<13} torch {result['torch_s']:.3f} s  "
-                f"then {result['added_s']:.3f} s"
-            )
+            if "wall_s" in result:
+                common.log(f"[{repeat + 1}/{repeats}] {name:<17} process {result['wall_s']:.3f} s")
+            else:
+                common.log(
+                    f"[{repeat + 1}/{repeats}] {name:<17} torch {result['torch_s']:.3f} s  "
+                    f"then {result['added_s']:.3f} s (gc {result['gc_s']:.3f} s)"
+                )
     return samples, failures
 
 
@@ -137,7 +175,7 @@ def _summarize(samples: list[dict[str, Any]], cases: dict[str, Optional[str]]) -
     rows = []
     for name, after in cases.items():
         mine = [s for s in samples if s["case"] == name]
-        if not mine:
+        if not mine or name in PROCESS_CASES:
             continue
         rows.append(
             {
@@ -147,6 +185,7 @@ def _summarize(samples: list[dict[str, Any]], cases: dict[str, Optional[str]]) -
                 "total_s": common.median(s["total_s"] for s in mine),
                 "torch_s": common.median(s["torch_s"] for s in mine),
                 "added_s": common.median(s["added_s"] for s in mine),
+                "gc_s": common.median(s["gc_s"] for s in mine),
                 "added_spread_pct": common.spread_pct(s["added_s"] for s in mine) if after else 0.0,
             }
         )
@@ -171,18 +210,46 @@ def _print_table(rows: list[dict[str, Any]], target: dict[str, Any]) -> None:
             f"{r['total_s']:.3f}",
             f"{r['torch_s']:.3f}",
             f"{r['added_s']:.3f}" if r["case"] != "torch" else "-",
+            f"{r['gc_s']:.3f}" if r["case"] != "torch" else "-",
             f"{r['added_spread_pct']:.0f}%" if r["case"] != "torch" else "-",
             f"<= {TARGET_ADDED_S:.2f}" if r["case"] == TARGET_CASE else "",
         )
         for r in rows
     ]
-    headers = ("case", "total s", "of it torch s", "added s", "spread", "target s")
-    print(common.format_table(headers, table, align="<>>>><"))
+    headers = ("case", "total s", "of it torch s", "added s", "of it gc s", "spread", "target s")
+    print(common.format_table(headers, table, align="<>>>>><"))
     head = f"target: import trainer_core adds <= {TARGET_ADDED_S:.2f} s to import torch (median)"
     if target["added_s"] is None:
         print(f"{head}: not measured ({target['not_measured'] or 'case not selected'})")
     else:
         print(f"{head}: {target['added_s']:.3f} s -> {'MET' if target['met'] else 'MISSED'}")
+
+
+def _summarize_processes(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median wall time of each whole-process case, and what it adds to a process that imports torch."""
+    walls = {
+        name: common.median(s["wall_s"] for s in samples if s["case"] == name)
+        for name in PROCESS_CASES
+        if any(s["case"] == name for s in samples)
+    }
+    floor = walls.get("torch-process")
+    return [
+        {
+            "case": name,
+            "command": "python " + " ".join(PROCESS_CASES[name]),
+            "wall_s": wall,
+            "added_s": None if floor is None else wall - floor,
+        }
+        for name, wall in walls.items()
+    ]
+
+
+def _print_processes(rows: list[dict[str, Any]]) -> None:
+    table = [
+        (r["command"], f"{r['wall_s']:.3f}", "-" if r["added_s"] is None else f"{r['added_s']:.3f}")
+        for r in rows
+    ]
+    print(common.format_table(("process", "wall s", "over import torch s"), table, align="<>>"))
 
 
 def _importtime(after: str, top: int = 15) -> list[tuple[str, float]]:
@@ -214,8 +281,9 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--repeats", type=int, default=None, help=f"fresh processes per case (default {DEFAULT_REPEATS})"
     )
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_REPEATS} processes per case")
+    known = [*CASES, *PROCESS_CASES]
     parser.add_argument(
-        "--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES)
+        "--cases", default=",".join(known), help="comma-separated subset of: " + ", ".join(known)
     )
     parser.add_argument(
         "--importtime", action="store_true", help="also list the slowest modules import trainer_core loads"
@@ -229,28 +297,29 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.repeats = QUICK_REPEATS if args.quick else DEFAULT_REPEATS
     if args.repeats < 1:
         parser.error("--repeats must be positive")
-    args.cases = common.parse_cases(parser, args.cases, list(CASES))
+    args.cases = common.parse_cases(parser, args.cases, known)
     return args
 
 
 def main(argv: Sequence[str]) -> int:
     args = _parse_args(argv)
-    cases = {name: CASES[name] for name in args.cases}
+    cases = {name: CASES.get(name) for name in args.cases}
     skipped: dict[str, str] = {}
-    if "lightning" in cases:
-        statement, why_not = _lightning_statement()
-        if statement is None:
-            skipped["lightning"] = why_not or "not installed"
-            common.log(f"skipping lightning: not importable ({skipped['lightning']})")
-            del cases["lightning"]
-        else:
-            cases["lightning"] = statement
+    for name in _OPTIONAL_CASES:
+        reason = common.probe_import(cases[name] or "") if name in cases else None
+        if reason is not None:
+            skipped[name] = reason
+            common.log(f"skipping {name}: not importable ({reason})")
+            del cases[name]
 
     started = time.time()
     samples, failures = _measure(cases, args.repeats)
     rows = _summarize(samples, cases)
+    processes = _summarize_processes(samples)
     target = _target(rows, failures)
     _print_table(rows, target)
+    if processes:
+        _print_processes(processes)
     for name, reason in skipped.items():
         print(f"{name} skipped: {reason}")
     for name, error in failures.items():
@@ -270,6 +339,7 @@ def main(argv: Sequence[str]) -> int:
         "skipped": skipped,
         "failures": failures,
         "summary": rows,
+        "processes": processes,
         "target": target,
         "importtime": slowest,
         "samples": samples,

@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim.swa_utils import SWALR
 
@@ -36,7 +35,7 @@ from trainer_core.callbacks.weight_averaging import AveragedWeights, refuse_shar
 from trainer_core.checkpoint.format import KEY_LR_SCHEDULERS
 from trainer_core.errors import MisconfigurationException
 from trainer_core.optim import LRSchedulerConfig
-from trainer_core.utilities import rank_zero_warn
+from trainer_core.utilities import rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:
     from trainer_core.module import LightningModule

@@ -33,14 +33,13 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim.swa_utils import get_ema_avg_fn, get_swa_avg_fn, get_swa_multi_avg_fn
 
 from trainer_core.callbacks.base import Callback
 from trainer_core.checkpoint.format import KEY_STATE_DICT
 from trainer_core.errors import MisconfigurationException
-from trainer_core.utilities import rank_zero_warn
+from trainer_core.utilities import rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:
     from trainer_core.module import LightningModule

@@ -1,29 +1,44 @@
 """The core's questions about callbacks (which ones act on metrics, which is the progress bar...).
 
 The loops, the hooks and the Trainer ask these about a list of callbacks the user may have changed
-since construction (the tuner does); answering them here keeps the core's import-time knowledge of
-the callback classes in two modules: this one and ``trainer_core.connectors``, which builds them.
+since construction (the tuner does); answering them here keeps the core's knowledge of the callback
+classes in two modules: this one and ``trainer_core.connectors``, which builds them.
+
+A question about a built-in class never imports it: while its module is not loaded, no callback can be
+an instance of it (a subclass imports the module to subclass it), so ``import trainer_core`` and a run
+without, say, early stopping never load ``early_stopping``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
-from lightning_utilities.core.overrides import is_overridden
+import sys
+from typing import TYPE_CHECKING, Any, Optional
 
 from trainer_core.callbacks.base import Callback
-from trainer_core.callbacks.early_stopping import EarlyStopping
-from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
-from trainer_core.callbacks.prediction_writer import BasePredictionWriter
-from trainer_core.callbacks.progress import ProgressBar
-from trainer_core.callbacks.timer import Timer
 from trainer_core.errors import MisconfigurationException
 from trainer_core.utilities import as_list
+from trainer_core.utilities.overrides import is_overridden
+
+if TYPE_CHECKING:
+    from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
+    from trainer_core.callbacks.progress import ProgressBar
+
+
+def _loaded(*classes: str) -> tuple[type, ...]:
+    """Those of ``classes`` (``"module.Class"`` in ``trainer_core.callbacks``) whose module is loaded."""
+    found = []
+    for path in classes:
+        module, name = path.rsplit(".", 1)
+        loaded = sys.modules.get(f"trainer_core.callbacks.{module}")
+        if loaded is not None:
+            found.append(getattr(loaded, name))
+    return tuple(found)
 
 
 def has_timer(callbacks: Any) -> bool:
     """Whether the user's callbacks include a ``Timer`` (which then bounds the run instead of ``max_epochs``)."""
-    return any(isinstance(cb, Timer) for cb in as_list(callbacks))
+    timer = _loaded("timer.Timer")
+    return any(isinstance(cb, timer) for cb in as_list(callbacks))
 
 
 def callback_overrides(callback: Callback, name: str) -> bool:
@@ -60,23 +75,27 @@ def check_state_keys(callbacks: list[Callback]) -> None:
 
 
 def checkpoint_callbacks(callbacks: list[Callback]) -> list[ModelCheckpoint]:
-    return [cb for cb in callbacks if isinstance(cb, ModelCheckpoint)]
+    checkpoint = _loaded("model_checkpoint.ModelCheckpoint")
+    return [cb for cb in callbacks if isinstance(cb, checkpoint)]
 
 
 def monitoring_callbacks(callbacks: list[Callback]) -> list[Callback]:
     """Callbacks that act on logged metrics (Lightning's rule: early stopping and checkpointing), which run
     after the module's ``on_train_epoch_end`` so that they see what it logged."""
-    return [cb for cb in callbacks if isinstance(cb, (EarlyStopping, ModelCheckpoint))]
+    monitoring = _loaded("early_stopping.EarlyStopping", "model_checkpoint.ModelCheckpoint")
+    return [cb for cb in callbacks if isinstance(cb, monitoring)]
 
 
 def prediction_writer_intervals(callbacks: list[Callback]) -> tuple[bool, bool]:
     """Whether any ``BasePredictionWriter`` writes per batch, and whether any writes per epoch."""
-    writers = [cb for cb in callbacks if isinstance(cb, BasePredictionWriter)]
+    writer = _loaded("prediction_writer.BasePredictionWriter")
+    writers = [cb for cb in callbacks if isinstance(cb, writer)]
     return any(w.writes_on_batch for w in writers), any(w.writes_on_epoch for w in writers)
 
 
 def progress_bar_callback(callbacks: list[Callback]) -> Optional[ProgressBar]:
+    bar = _loaded("progress.ProgressBar")
     for cb in callbacks:
-        if isinstance(cb, ProgressBar):
+        if isinstance(cb, bar):
             return cb
     return None

@@ -32,7 +32,6 @@ from types import MethodType
 from typing import Any, Callable, Optional, Union
 
 import torch
-from lightning_utilities.core.overrides import is_overridden
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -46,6 +45,7 @@ from trainer_core.module import LightningModule
 from trainer_core.seed import seed_everything
 from trainer_core.trainer import Trainer
 from trainer_core.utilities import rank_zero_warn
+from trainer_core.utilities.overrides import is_overridden
 
 try:
     from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, class_from_function

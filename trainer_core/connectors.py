@@ -10,25 +10,28 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
 # tests/callbacks/test_lambda.py imports ``callback_overrides`` from here, where it used to live.
-from trainer_core.callback_queries import callback_overrides  # noqa: F401
+from trainer_core.callback_queries import (
+    callback_overrides,  # noqa: F401
+    checkpoint_callbacks,
+)
 from trainer_core.callbacks.base import Callback
-from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
-from trainer_core.callbacks.model_summary import ModelSummary, RichModelSummary, rich_available
-from trainer_core.callbacks.progress import ProgressBar, TQDMProgressBar
-from trainer_core.callbacks.timer import Timer
 from trainer_core.errors import MisconfigurationException
-from trainer_core.loggers import CSVLogger, Logger, TensorBoardLogger, tensorboard_available
-from trainer_core.plugins import TrainingTypePlugin, plugin_from_name
-from trainer_core.plugins.environments import ClusterEnvironment
-from trainer_core.plugins.io import CheckpointIO
+from trainer_core.loggers import Logger
 from trainer_core.precision import Precision
 from trainer_core.utilities import as_list, rank_zero_only
 from trainer_core.utilities.arguments import is_class_of, pass_instance, require_instance
+
+# The plugins, the default callbacks and loggers are imported where the Trainer builds them: ``import
+# trainer_core`` should not pay for them (with fsspec, tqdm and the FLOP counter they brought in).
+if TYPE_CHECKING:
+    from trainer_core.plugins import TrainingTypePlugin
+    from trainer_core.plugins.environments import ClusterEnvironment
+    from trainer_core.plugins.io import CheckpointIO
 
 _ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 _logger = logging.getLogger("trainer_core")
@@ -147,6 +150,8 @@ def split_plugins(plugins: Any, strategy: Any, precision: Any) -> PluginParts:
 
 def _kind_of(item: Any, given: str) -> str:
     """The field of :class:`PluginParts` ``item`` belongs to; ``given`` is how the user passed it."""
+    from trainer_core.plugins import CheckpointIO, ClusterEnvironment, TrainingTypePlugin
+
     if isinstance(item, (TrainingTypePlugin, str)):
         return "training_type"
     if isinstance(item, CheckpointIO):
@@ -180,6 +185,8 @@ def _shown(item: Any) -> str:
 
 def select_plugin(accelerator: str, parts: PluginParts, devices: Any, num_nodes: int) -> TrainingTypePlugin:
     """The one training-type plugin of the run, given its CheckpointIO and environment from ``parts``."""
+    from trainer_core.plugins import plugin_from_name
+
     n_devices = _device_count(devices)
     if not isinstance(num_nodes, int) or num_nodes < 1:
         raise MisconfigurationException(f"Trainer(num_nodes={num_nodes!r}): use a positive integer.")
@@ -256,6 +263,10 @@ def configure_callbacks(
 
     ``max_time`` adds a ``Timer`` checking after every batch, unless the user gave one.
     """
+    from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
+    from trainer_core.callbacks.model_summary import ModelSummary, RichModelSummary, rich_available
+    from trainer_core.callbacks.progress import ProgressBar, TQDMProgressBar
+
     result = as_list(callbacks)
     for cb in result:
         if is_class_of(cb, Callback):
@@ -287,6 +298,8 @@ def configure_callbacks(
 
 
 def _add_timer(callbacks: list[Callback], max_time: Any) -> None:
+    from trainer_core.callbacks.timer import Timer
+
     if any(isinstance(cb, Timer) for cb in callbacks):
         if rank_zero_only.rank == 0:
             _logger.info(
@@ -313,9 +326,9 @@ def merge_module_callbacks(
 
 
 def _reorder(callbacks: list[Callback]) -> list[Callback]:
-    others = [cb for cb in callbacks if not isinstance(cb, ModelCheckpoint)]
-    checkpoints = [cb for cb in callbacks if isinstance(cb, ModelCheckpoint)]
-    return others + checkpoints
+    checkpoints = checkpoint_callbacks(callbacks)
+    last = {id(cb) for cb in checkpoints}
+    return [cb for cb in callbacks if id(cb) not in last] + checkpoints
 
 
 def configure_loggers(logger: Any, default_root_dir: str) -> list[Logger]:
@@ -323,6 +336,8 @@ def configure_loggers(logger: Any, default_root_dir: str) -> list[Logger]:
     if logger is False:
         return []
     if logger is None or logger is True:
+        from trainer_core.loggers import CSVLogger, TensorBoardLogger, tensorboard_available
+
         if tensorboard_available():
             return [TensorBoardLogger(save_dir=default_root_dir)]
         return [CSVLogger(save_dir=default_root_dir)]

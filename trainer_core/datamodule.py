@@ -16,7 +16,6 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from trainer_core.checkpoint.format import (
@@ -26,6 +25,7 @@ from trainer_core.checkpoint.format import (
 )
 from trainer_core.hparams import _load_hparams_file, hparams_argument, store_hyperparameters
 from trainer_core.utilities import AttributeDict, move_data_to_device
+from trainer_core.utilities.apply_func import apply_to_collection
 
 if TYPE_CHECKING:
     from trainer_core.run_state import RunState

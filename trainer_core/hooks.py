@@ -18,12 +18,11 @@ from collections.abc import Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from lightning_utilities.core.overrides import is_overridden
-
 from trainer_core.callback_queries import callback_overrides
 from trainer_core.errors import MisconfigurationException
 from trainer_core.module import LightningModule, batch_transfer_hooks
 from trainer_core.profilers.base import Profiler, profiled
+from trainer_core.utilities.overrides import is_overridden
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer

@@ -15,7 +15,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
-from lightning_utilities.core.overrides import is_overridden
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -27,6 +26,7 @@ from trainer_core.hparams import _load_hparams_file, store_hyperparameters
 from trainer_core.hparams import hparams_argument as hparams_argument
 from trainer_core.results import dict_items
 from trainer_core.utilities import AttributeDict, move_data_to_device, rank_zero_only, rank_zero_warn
+from trainer_core.utilities.overrides import is_overridden
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -27,13 +27,13 @@ from collections.abc import Iterator
 from typing import Any, Callable, Optional, Union
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
-from lightning_utilities.core.overrides import is_overridden
 from torch import Tensor, nn
 from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
 from trainer_core.errors import MisconfigurationException
+from trainer_core.utilities.apply_func import apply_to_collection
+from trainer_core.utilities.overrides import is_overridden
 
 _ALIASES: dict[Any, str] = {
     "32-true": "32-true",

@@ -9,7 +9,8 @@ from typing import Optional
 
 import numpy as np
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
+
+from trainer_core.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
 _MAX_SEED = np.iinfo(np.uint32).max
 

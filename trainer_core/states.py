@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_utilities.core.enums import StrEnum
+from trainer_core.utilities.enums import StrEnum
 
 
 class TrainerStatus(StrEnum):

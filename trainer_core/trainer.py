@@ -16,7 +16,6 @@ from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from lightning_utilities.core.overrides import is_overridden
 from torch import nn
 from torch.optim import Optimizer
 
@@ -53,6 +52,7 @@ from trainer_core.run_state import CheckpointParts
 from trainer_core.states import RunningStage, TrainerFn, TrainerState, TrainerStatus
 from trainer_core.utilities import launcher_restart_count, rank_zero_info, rank_zero_only, rank_zero_warn
 from trainer_core.utilities.compile import is_compiled, is_compiled_lightning_module, unwrap_compiled_module
+from trainer_core.utilities.overrides import is_overridden
 
 if TYPE_CHECKING:
     from trainer_core.callbacks import Callback

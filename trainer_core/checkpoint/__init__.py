@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from trainer_core.checkpoint.format import (
     FORMAT_VERSION,
     KEY_CALLBACKS,
@@ -37,7 +39,9 @@ from trainer_core.checkpoint.optimizer import (
     refuse_fields_of_sharded_states,
     select_named_state,
 )
-from trainer_core.checkpoint.safetensors import LoadResult, load_safetensors, save_safetensors
+
+if TYPE_CHECKING:
+    from trainer_core.checkpoint.safetensors import LoadResult, load_safetensors, save_safetensors
 
 __all__ = [
     "FORMAT_VERSION",
@@ -76,3 +80,12 @@ __all__ = [
     "select_named_state",
     "validate_checkpoint",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The safetensors reader and writer (and fsspec under them) load on first use, not with the Trainer.
+    if name in ("LoadResult", "load_safetensors", "save_safetensors"):
+        from trainer_core.checkpoint import safetensors
+
+        return getattr(safetensors, name)
+    raise AttributeError(f"module 'trainer_core.checkpoint' has no attribute {name!r}")

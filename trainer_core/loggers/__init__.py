@@ -1,10 +1,31 @@
-"""Experiment loggers."""
+"""Experiment loggers.
+
+The base classes load with the package; each logger loads on first use
+(``from trainer_core.loggers import MLFlowLogger``), so that ``import trainer_core`` and a run pay only
+for the loggers the run uses.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from trainer_core.loggers.base import FolderLogger, Logger
-from trainer_core.loggers.csv_logger import CSVLogger
-from trainer_core.loggers.mlflow import MLFlowLogger
-from trainer_core.loggers.tensorboard import TensorBoardLogger, tensorboard_available
-from trainer_core.loggers.wandb import WandbLogger
+
+if TYPE_CHECKING:
+    from trainer_core.loggers.csv_logger import CSVLogger
+    from trainer_core.loggers.mlflow import MLFlowLogger
+    from trainer_core.loggers.tensorboard import TensorBoardLogger, tensorboard_available
+    from trainer_core.loggers.wandb import WandbLogger
+
+# Public name -> the module of this package that defines it.
+_LAZY = {
+    "CSVLogger": "csv_logger",
+    "MLFlowLogger": "mlflow",
+    "TensorBoardLogger": "tensorboard",
+    "WandbLogger": "wandb",
+    "tensorboard_available": "tensorboard",
+}
 
 __all__ = [
     "CSVLogger",
@@ -15,3 +36,14 @@ __all__ = [
     "WandbLogger",
     "tensorboard_available",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trainer_core.loggers' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"trainer_core.loggers.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -6,12 +6,11 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from lightning_utilities.core.overrides import is_overridden
-
 from trainer_core.datamodule import LightningDataModule
 from trainer_core.errors import MisconfigurationException
 from trainer_core.utilities import rank_zero_warn
 from trainer_core.utilities.combined_loader import CombinedLoader, is_single_iterable
+from trainer_core.utilities.overrides import is_overridden
 
 if TYPE_CHECKING:
     from trainer_core.run_state import RunState

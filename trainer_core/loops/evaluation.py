@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
-from lightning_utilities.core.overrides import is_overridden
 from torch.utils.data import DataLoader
 
 from trainer_core.callback_queries import prediction_writer_intervals
@@ -25,6 +24,7 @@ from trainer_core.profilers.base import profiled, profiled_iter
 from trainer_core.results import ResultCollection
 from trainer_core.utilities import rank_zero_warn
 from trainer_core.utilities.combined_loader import CombinedLoader
+from trainer_core.utilities.overrides import is_overridden
 
 if TYPE_CHECKING:
     from trainer_core.run_state import RunState

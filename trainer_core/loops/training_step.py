@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-from lightning_utilities.core.overrides import is_overridden
 from torch import Tensor
 
 from trainer_core.errors import MisconfigurationException
@@ -26,6 +25,7 @@ from trainer_core.hooks import step_caller
 from trainer_core.loops.schedulers import update_lr_schedulers
 from trainer_core.module import LightningModule
 from trainer_core.profilers.base import Profiler, profiled
+from trainer_core.utilities.overrides import is_overridden
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer

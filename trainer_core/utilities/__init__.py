@@ -8,16 +8,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
-from lightning_utilities.core.rank_zero import (
+from torch import nn
+
+from trainer_core.utilities.apply_func import apply_to_collection
+from trainer_core.utilities.combined_loader import CombinedLoader
+from trainer_core.utilities.rank_zero import (
     rank_zero_deprecation,
     rank_zero_info,
     rank_zero_only,
     rank_zero_warn,
 )
-from torch import nn
-
-from trainer_core.utilities.combined_loader import CombinedLoader
 
 __all__ = [
     "AttributeDict",
