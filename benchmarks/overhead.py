@@ -35,6 +35,9 @@ recompiled inside the timing). Each process warms torch up on a throwaway model,
                    bar and log file creation, the loop, closing them).
 * ``loop us/step`` ``on_train_start`` -> ``on_train_end`` divided by the steps (plain: the loop).
 * ``fixed ms``     run minus loop: construction, setup and teardown, paid once per run.
+* ``cpu x plain``  the run's CPU time (``time.process_time``, all the worker's threads) over the plain
+                   loop's: on a machine shared with other jobs, wall time also counts the waits for a
+                   core, and this ratio is the steadier one.
 
 The table shows medians, and ratios to the plain loop in the same mode and the same repeat
 (median of the paired ratios, robust to a shared machine's drift); the JSON
@@ -323,17 +326,25 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
         if profiler is not None:
             profiler.enable()
+        cpu_start = time.process_time_ns()
         if framework is None:
             run_ns, loop_ns = _run_plain(net, loader, job, mode, Path(tmp))
         else:
             run_ns, loop_ns = _run_trainer(framework, impl, net, loader, job, mode, Path(tmp))
+        cpu_ns = time.process_time_ns() - cpu_start
         if profiler is not None:
             profiler.disable()
     if profiler is not None:
         _write_profile(profiler, Path(spec["profile_path"]))
 
     checksum = sum(float(p.detach().double().sum()) for p in net.parameters())
-    return {"run_ns": run_ns, "loop_ns": loop_ns, "import_s": import_s, "checksum": checksum}
+    return {
+        "run_ns": run_ns,
+        "loop_ns": loop_ns,
+        "cpu_ns": cpu_ns,
+        "import_s": import_s,
+        "checksum": checksum,
+    }
 
 
 def _write_profile(profiler: Any, path: Path) -> None:
@@ -415,6 +426,7 @@ def _measure(
                         continue
                     sample = {**spec, "repeat": repeat, **result}
                     sample["run_ms"] = result["run_ns"] / 1e6
+                    sample["cpu_ms"] = result["cpu_ns"] / 1e6
                     sample["loop_us_per_step"] = result["loop_ns"] / 1e3 / job.steps
                     samples.append(sample)
                     common.log(
@@ -449,6 +461,9 @@ def _summarize(samples: list[dict], impls: list[str], jobs: list[Job], modes: li
                         "run_ratio": common.median(s["run_ms"] / b["run_ms"] for s, b in paired)
                         if paired
                         else None,
+                        "cpu_ratio": common.median(s["cpu_ms"] / b["cpu_ms"] for s, b in paired)
+                        if paired
+                        else None,
                         "fixed_ms": common.median(s["run_ms"] - s["loop_ns"] / 1e6 for s in mine),
                         "loop_us_per_step": common.median(s["loop_us_per_step"] for s in mine),
                         "step_ratio": common.median(
@@ -478,6 +493,7 @@ def _print_table(rows: list[dict]) -> None:
             r["impl"],
             f"{r['run_ms']:.1f}",
             ratio(r["run_ratio"]),
+            ratio(r["cpu_ratio"]),
             f"{r['loop_us_per_step']:.1f}",
             ratio(r["step_ratio"]),
             f"{r['fixed_ms']:.1f}",
@@ -485,7 +501,18 @@ def _print_table(rows: list[dict]) -> None:
         )
         for r in rows
     ]
-    headers = ("job", "mode", "impl", "run ms", "x plain", "loop us/step", "x plain", "fixed ms", "spread")
+    headers = (
+        "job",
+        "mode",
+        "impl",
+        "run ms",
+        "x plain",
+        "cpu x plain",
+        "loop us/step",
+        "x plain",
+        "fixed ms",
+        "spread",
+    )
     print(common.format_table(headers, table))
     for r in rows:
         if r["same_result_as_plain"] is False:

@@ -15,6 +15,8 @@ from trainer_core.utilities import rank_zero_only
 
 #: Hyper-parameters beside the logs, nested as given: the YAML document Lightning writes (trainer_core.hparams).
 HPARAMS_FILE = "hparams.yaml"
+#: ``hparams_to_yaml({})``, PyYAML's document for an empty mapping.
+EMPTY_HPARAMS = "{}\n"
 
 
 class Logger(ABC):
@@ -119,8 +121,10 @@ def write_hparams_file(
     """``params`` as ``<log_dir>/hparams.yaml`` (what ``load_from_checkpoint(hparams_file=...)`` reads)."""
     fs, folder = paths.resolve(log_dir, **(storage_options or {}))
     fs.makedirs(folder, exist_ok=True)
+    # A run without hyper-parameters still gets the file (Lightning's rule): "{}" needs no YAML import.
+    text = hparams_to_yaml(params) if params else EMPTY_HPARAMS
     with fs.open(f"{folder}/{HPARAMS_FILE}", "w") as f:
-        f.write(hparams_to_yaml(params))
+        f.write(text)
 
 
 def next_version(root: str, storage_options: Optional[dict[str, Any]] = None) -> int:

@@ -1,9 +1,14 @@
 """``TensorBoardLogger``: TensorBoard event files on any fsspec URL (needs the ``tensorboard`` package).
 
-The events are written by ``torch.utils.tensorboard.SummaryWriter``, so ``logger.experiment``
-offers its whole API (``add_image``, ``add_histogram``, ...). SummaryWriter itself writes only
-to local files (TensorBoard's own object-store support knows neither fsspec nor its
-``storage_options``), so for a remote ``save_dir`` it writes into a local spool folder and every
+``logger.experiment`` is a ``torch.utils.tensorboard.SummaryWriter``, with its whole API
+(``add_image``, ``add_histogram``, ...). Importing it costs about 0.3 s of CPU, so a run that only
+logs metrics never does: its scalars go through :class:`~trainer_core.loggers.tfevents.ScalarEventWriter`,
+which writes the same records. The SummaryWriter takes over at the first use of ``experiment``
+(hyper-parameters, the graph, a program's own ``add_*`` call): the scalar file is closed first and
+the SummaryWriter's file is named a second later, so TensorBoard reads the two in the order written.
+
+Both write only to local files (TensorBoard's own object-store support knows neither fsspec nor its
+``storage_options``), so for a remote ``save_dir`` they write into a local spool folder and every
 ``save()`` (each epoch end, after validate/test, at the end of the run) uploads the files that
 changed through fsspec. An event file only grows, so the uploaded copy is always a valid prefix
 of the run's events: TensorBoard pointed at the bucket shows the run up to the last epoch.
@@ -11,24 +16,29 @@ of the run's events: TensorBoard pointed at the bucket shows the run up to the l
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
+import time
 from argparse import Namespace
 from typing import Any, Optional, Union
 
 import torch
-from lightning_utilities.core.imports import RequirementCache
 
 from trainer_core import paths
 from trainer_core.loggers.base import FolderLogger, as_dict
+from trainer_core.loggers.tfevents import ScalarEventWriter
 from trainer_core.utilities import rank_zero_only, rank_zero_warn
 
-_TENSORBOARD = RequirementCache("tensorboard")
+# The SummaryWriter arguments the scalar writer honours (``comment`` is unused when a folder is given);
+# any other (``purge_step``) needs the SummaryWriter from the first scalar on.
+_SCALAR_WRITER_KWARGS = frozenset({"comment", "max_queue", "flush_secs", "filename_suffix"})
 
 
 def tensorboard_available() -> bool:
-    return bool(_TENSORBOARD)
+    """Whether ``tensorboard`` can be imported; found without importing it (or ``packaging``), at every ``Trainer()``."""
+    return importlib.util.find_spec("tensorboard") is not None
 
 
 class TensorBoardLogger(FolderLogger):
@@ -53,9 +63,9 @@ class TensorBoardLogger(FolderLogger):
         storage_options: Optional[dict[str, Any]] = None,
         **writer_kwargs: Any,
     ) -> None:
-        if not _TENSORBOARD:
+        if not tensorboard_available():
             raise ModuleNotFoundError(
-                f"TensorBoardLogger needs the `tensorboard` package ({_TENSORBOARD.message}); "
+                "TensorBoardLogger needs the `tensorboard` package, which is not installed: "
                 "`pip install tensorboard`, or use CSVLogger."
             )
         super().__init__(save_dir, name, version, storage_options)
@@ -65,6 +75,9 @@ class TensorBoardLogger(FolderLogger):
         self._sub_dir = sub_dir
         self._writer_kwargs = writer_kwargs
         self._writer: Any = None
+        # Scalars before the SummaryWriter is needed; once one was made, it writes every event after.
+        self._scalars: Optional[ScalarEventWriter] = None
+        self._scalars_only = _SCALAR_WRITER_KWARGS.issuperset(writer_kwargs)
         self._hparams: dict[str, Any] = {}
         self._hparams_written = False
         # Remote targets: the local folder SummaryWriter writes into, and the sizes last uploaded.
@@ -85,19 +98,40 @@ class TensorBoardLogger(FolderLogger):
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            fs, folder = paths.resolve(self.log_dir, **self._storage_options)
-            if paths.is_local(fs):
-                fs.makedirs(folder, exist_ok=True)
-                target = folder
-            else:
-                self._spool = tempfile.mkdtemp(prefix="trainer-core-tensorboard-")
-                target = self._spool
+            target = self._target()
+            if self._scalars is not None:
+                self._scalars.close()
+                _wait_for_second_after(self._scalars.second)
+                self._scalars = None
+            self._scalars_only = False
             self._writer = SummaryWriter(log_dir=target, **self._writer_kwargs)
         return self._writer
 
+    def _target(self) -> str:
+        """The folder the event files go to: the log folder, or a local spool for a remote one (made once)."""
+        if self._spool is not None:
+            return self._spool
+        fs, folder = paths.resolve(self.log_dir, **self._storage_options)
+        if paths.is_local(fs):
+            fs.makedirs(folder, exist_ok=True)
+            return folder
+        self._spool = tempfile.mkdtemp(prefix="trainer-core-tensorboard-")
+        return self._spool
+
+    def _scalar_writer(self) -> Any:
+        """Where ``log_metrics`` writes: the SummaryWriter once there is one, else the light scalar writer."""
+        if self._writer is not None or not self._scalars_only:
+            return self.experiment
+        if self._scalars is None:
+            kwargs = self._writer_kwargs
+            self._scalars = ScalarEventWriter(
+                self._target(), kwargs.get("filename_suffix", ""), kwargs.get("flush_secs", 120)
+            )
+        return self._scalars
+
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
-        writer = self.experiment
+        writer = self._scalar_writer()
         for key, value in metrics.items():
             writer.add_scalar(f"{self._prefix}{key}", value, step)
 
@@ -148,9 +182,10 @@ class TensorBoardLogger(FolderLogger):
     @rank_zero_only
     def save(self) -> None:
         self._save_hparams_once()
-        if self._writer is None:
+        writer = self._writer or self._scalars
+        if writer is None:
             return
-        self._writer.flush()
+        writer.flush()
         if self._spool is not None:
             self._upload()
 
@@ -158,11 +193,12 @@ class TensorBoardLogger(FolderLogger):
     def finalize(self, status: str) -> None:
         if status == "success":
             self._save_hparams_once()
-        if self._writer is None:
+        writer = self._writer or self._scalars
+        if writer is None:
             return
-        self._writer.flush()
-        self._writer.close()
-        self._writer = None
+        writer.flush()
+        writer.close()
+        self._writer = self._scalars = None
         if self._spool is not None:
             self._upload()
             shutil.rmtree(self._spool, ignore_errors=True)
@@ -189,6 +225,18 @@ class TensorBoardLogger(FolderLogger):
                 relative = os.path.relpath(local, self._spool).replace(os.sep, "/")
                 fs.put_file(local, f"{folder}/{relative}")
                 self._uploaded[local] = size
+
+
+def _wait_for_second_after(second: int) -> None:
+    """Sleep (less than a second, once per logger at most) until the clock's whole second is past ``second``.
+
+    Event files are read in the order of their names, which start with that second; a file named
+    with the same second could sort before the one written earlier, and TensorBoard would then drop
+    the earlier steps as a restart's.
+    """
+    wait = second + 1 - time.time()
+    if wait > 0:
+        time.sleep(wait)
 
 
 class _NoWriter:
