@@ -59,7 +59,7 @@ test-gpu:
 
 # Every benchmark, each side by side with its baselines; BENCH_ARGS=--quick for a short run.
 BENCHMARKS ?= import_cost overhead checkpoint ddp consolidate fsdp_checkpoint optimizer_in_backward pipeline model_parallel precision \
-	load_memory object_store frozen_checkpoint recovery
+	load_memory object_store frozen_checkpoint recovery resume_exact
 bench: $(VENV)/.installed-bench
 	set -e; for b in $(BENCHMARKS); do $(PY) benchmarks/$$b.py $(BENCH_ARGS); done
 

@@ -1,14 +1,17 @@
-"""FSDP checkpoint saves at 2 ranks (full, bucketed or torch's, vs sharded vs one process), and async saves.
+"""FSDP checkpoint saves at 2 ranks (full: streamed, gathered whole, torch's; vs sharded vs one process), and async saves.
 
 The model is ``--layers`` x ``Linear(--width, --width)`` (ReLU between; 16 x 2048 by default: 67 M
 float32 parameters, 268 MB) that has taken one Adam step, so the checkpoint holds the weights and
 both Adam moments (about 805 MB). Under FSDP every ``Linear`` is its own ``fully_shard`` unit.
-Five cases, each a fresh job per repeat, interleaved and rotated across repeats:
+Six cases, each a fresh job per repeat, interleaved and rotated across repeats:
 
 * ``single``        one process, the default plugin, ``trainer.save_checkpoint`` (sync, torch.save + fsync).
 * ``fsdp-full``     2 ranks (gloo), ``FSDPPlugin(state_dict_type="full")``: model and optimizer state
                     are gathered to rank 0 in buckets (``plugins/fsdp_gather.py``, one ``dist.gather``
-                    per bucket of ``GATHER_BUCKET_BYTES``, or ``--bucket-mb``), rank 0 writes one file.
+                    per bucket of ``GATHER_BUCKET_BYTES``, or ``--bucket-mb``) while rank 0 writes them
+                    into one file, record by record (``StreamedGather``, issue 32).
+* ``fsdp-full-whole`` the same with ``fsdp_gather.STREAM_FULL_SAVES = False``: the whole state is gathered
+                    first, then rank 0 writes it (``torch.save``): the path before issue 32.
 * ``fsdp-full-torch`` the same with ``fsdp_gather.GATHER_BUCKET_BYTES = None``: torch's full state
                     dict (``get_*_state_dict(full_state_dict=True, cpu_offload=True)``), which gathers
                     one tensor at a time to every rank (the path before issue 17).
@@ -24,15 +27,20 @@ async IO's pooled staging buffers, the full gather's output); the others are "st
 of a run that checkpoints every N steps. Every save is also cut into phases per rank by wrapping
 the plugin's ``save_checkpoint`` on the instance: ``state`` (``dump_checkpoint``: state dicts,
 FSDP's gathers), ``write`` (the plugin's ``save_checkpoint``) and ``barrier`` (waiting for the
-other rank). For ``async`` the job also times ``--steps`` training steps with no save in flight
+other rank). Around every save each rank resets its resident-memory high-water mark
+(``/proc/self/clear_refs``) and reads it back (``VmHWM``) after: "peak MB" is rank 0's highest
+resident memory during the save above what it held just before it (once the memory earlier saves
+freed was handed back with ``malloc_trim``), next to the checkpoint's size. For ``async`` the job also times ``--steps`` training steps with no save in flight
 and right after each save (while the background write runs), and when the write ended.
 
 Targets (issue 5, part 8): sharded save at 2 ranks <= 0.6x the full save's time (the full save of
 that day, torch's per-tensor gather: ``fsdp-full-torch``); the time an
 async save blocks training <= 0.2x the sync save's time (steady saves, medians). Issue 17: the full
-save (bucketed gather) at most 1.3x the sharded save. The ``state`` phase of the two full cases is
+save (bucketed gather) at most 1.3x the sharded save; issue 32 meets it by streaming
+(``fsdp-full`` against ``fsdp-full-whole``), with rank 0's peak bounded by about a bucket. The ``state`` phase of the two full cases is
 the gather (torch's against the buckets); their ``write`` phase is the same ``torch.save`` of the
-same dict by rank 0, which the sharded case splits between two writers.
+same dict by rank 0, which the sharded case splits between two writers; streamed, the gather moves
+from ``state`` into ``write``, where it overlaps the writing.
 
 On the sandbox this was written on, ``fsync`` of a freshly written file costs little (the disk
 behind it is fast or virtual) and a save is bounded by copying bytes into the page cache, a
@@ -43,6 +51,7 @@ sharding (two writers) and async (off the training thread) gain more than measur
     python benchmarks/fsdp_checkpoint.py --quick     # smoke: 4 x 512, 1 repeat
     python benchmarks/fsdp_checkpoint.py --profile   # + cProfile of one save per rank, 2-rank cases
     python benchmarks/fsdp_checkpoint.py --cases fsdp-full,fsdp-sharded --bucket-mb 64   # another bucket
+    python benchmarks/fsdp_checkpoint.py --cases fsdp-full,fsdp-full-whole,fsdp-sharded   # issue 32's figures
 """
 
 from __future__ import annotations
@@ -59,8 +68,15 @@ from typing import Any, Callable, Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common
 
-CASES = ("single", "fsdp-full", "fsdp-full-torch", "fsdp-sharded", "async")
-WORLD_SIZE = {"single": 1, "fsdp-full": 2, "fsdp-full-torch": 2, "fsdp-sharded": 2, "async": 1}
+CASES = ("single", "fsdp-full", "fsdp-full-whole", "fsdp-full-torch", "fsdp-sharded", "async")
+WORLD_SIZE = {
+    "single": 1,
+    "fsdp-full": 2,
+    "fsdp-full-whole": 2,
+    "fsdp-full-torch": 2,
+    "fsdp-sharded": 2,
+    "async": 1,
+}
 DEFAULT_WIDTH, DEFAULT_LAYERS = 2048, 16
 QUICK_WIDTH, QUICK_LAYERS = 512, 4
 DEFAULT_REPEATS, DEFAULT_SAVES, DEFAULT_STEPS = 4, 4, 3
@@ -123,9 +139,11 @@ def _plugins(case: str) -> Optional[list[Any]]:
 
 
 def _set_gather(case: str, bucket_mb: Optional[float]) -> None:
-    """``fsdp-full-torch``: torch's per-tensor gather; otherwise the buckets, of ``--bucket-mb`` if given."""
+    """``fsdp-full-torch``: torch's per-tensor gather; otherwise the buckets, of ``--bucket-mb`` if given;
+    ``fsdp-full-whole``: gathered whole before the write."""
     from trainer_core.plugins import fsdp_gather
 
+    fsdp_gather.STREAM_FULL_SAVES = case != "fsdp-full-whole"
     if case == "fsdp-full-torch":
         fsdp_gather.GATHER_BUCKET_BYTES = None
     elif bucket_mb is not None:
@@ -137,6 +155,26 @@ def _barrier() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _resident_bytes(field: str) -> int:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its high-water mark) of this process, in bytes; 0 off Linux."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    """Start ``VmHWM`` over from the resident size now (Linux 4.0+; nothing elsewhere)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
 def _size_bytes(path: Path) -> int:
@@ -201,6 +239,8 @@ def _train_steps(module: Any, optimizer: Any, batch: Any, steps: int) -> float:
 def _measure_saves(trainer: Any, case: str, saves: int, steps: int, profile_dir: Optional[str]) -> dict:
     import torch
 
+    from trainer_core.checkpoint.stream import release_freed_memory
+
     plugin = trainer.plugin
     rank = plugin.global_rank
     folder = Path.cwd() / "ckpt"  # rank 1 runs in the same working directory as rank 0
@@ -222,16 +262,20 @@ def _measure_saves(trainer: Any, case: str, saves: int, steps: int, profile_dir:
 
             profiler = cProfile.Profile()
         gc.collect()
+        release_freed_memory()  # what earlier saves freed goes back: the peak counts this save's memory
+        before_rss = _resident_bytes("VmRSS")
         _barrier()
+        _reset_peak()
         if profiler is not None:
             profiler.enable()
         start = time.perf_counter()
         trainer.save_checkpoint(path)
         end = time.perf_counter()
+        peak = _resident_bytes("VmHWM") - before_rss
         if profiler is not None:
             profiler.disable()
             common.write_profile(profiler, Path(profile_dir) / f"fsdp_checkpoint-{case}-rank{rank}.prof")
-        record = {"save": index, "save_s": end - start, **phases.split(start, end)}
+        record = {"save": index, "save_s": end - start, "peak_bytes": peak, **phases.split(start, end)}
         if async_io is not None:
             record["steps_during_write_s"] = _train_steps(module, optimizer, batch, steps)
             async_io.wait()
@@ -391,7 +435,7 @@ def _summarize(samples: list[dict], cases: list[str]) -> dict[str, dict]:
             "phases": [
                 {
                     key: common.median(s["ranks"][rank][key] for s in steady)
-                    for key in ("save_s", "state_s", "write_s", "barrier_s")
+                    for key in ("save_s", "state_s", "write_s", "barrier_s", "peak_bytes")
                 }
                 for rank in range(world)
             ],
@@ -421,6 +465,8 @@ def _targets(rows: dict[str, dict], failures: dict[str, str]) -> dict[str, Any]:
     blocked = _ratio(rows, "async", "single")
     full = _ratio(rows, "fsdp-full", "fsdp-sharded")
     return {
+        "whole_x_sharded": _ratio(rows, "fsdp-full-whole", "fsdp-sharded"),
+        "streamed_x_whole": _ratio(rows, "fsdp-full", "fsdp-full-whole"),
         "full_x_sharded": full,
         "full_met": full is not None and full <= TARGET_FULL_X_SHARDED,
         "full_torch_x_sharded": _ratio(rows, "fsdp-full-torch", "fsdp-sharded"),
@@ -500,6 +546,7 @@ def _render(rows: dict[str, dict], targets: dict[str, Any], args: argparse.Names
                 f"{row['save_s']:.2f}",
                 f"{row['save_spread_pct']:.0f}%",
                 f"{row['mb_per_s']:.0f}",
+                f"{row['phases'][0]['peak_bytes'] / MB:.0f}",
                 phases,
             )
         )
@@ -511,9 +558,20 @@ def _render(rows: dict[str, dict], targets: dict[str, Any], args: argparse.Names
         "save s",
         "spread",
         "MB/s",
+        "peak MB r0",
         "state/write/barrier s (rank 0 | 1)",
     )
-    out.append(common.format_table(headers, table, align="<>>>>>><"))
+    out.append(common.format_table(headers, table, align="<>>>>>>><"))
+    out.append(
+        "peak MB r0: rank 0's highest resident memory during a save (median) above its resident memory "
+        "just before; MB: the checkpoint's size"
+    )
+    if "fsdp-full-whole" in rows:
+        out.append(
+            f"full saves (save s), issue 32: streamed/sharded {_fmt(targets['full_x_sharded'], '.2f', 'x')}  "
+            f"gathered whole/sharded (before) {_fmt(targets['whole_x_sharded'], '.2f', 'x')}  "
+            f"streamed/whole {_fmt(targets['streamed_x_whole'], '.2f', 'x')}"
+        )
     if "fsdp-full" in rows or "fsdp-full-torch" in rows:
         out.append(
             f"full saves (save s): bucketed/sharded {_fmt(targets['full_x_sharded'], '.2f', 'x')}  "
@@ -536,7 +594,7 @@ def _render(rows: dict[str, dict], targets: dict[str, Any], args: argparse.Names
         f"{_fmt(targets['sharded_x_full'], '.2f', 'x')} -> {_verdict(targets['sharded_x_full'], targets['sharded_met'])}"
     )
     out.append(
-        f"target (issue 17): full save at 2 ranks <= {TARGET_FULL_X_SHARDED:.2f}x the sharded save: "
+        f"target (issues 17, 32): full save at 2 ranks <= {TARGET_FULL_X_SHARDED:.2f}x the sharded save: "
         f"{_fmt(targets['full_x_sharded'], '.2f', 'x')} -> {_verdict(targets['full_x_sharded'], targets['full_met'])}"
     )
     out.append(

@@ -26,7 +26,7 @@ from trainer_core.plugins.grad_norm import clip_grads_by_total_norm, clip_grads_
 from trainer_core.precision import Precision
 from trainer_core.utilities import move_data_to_device
 from trainer_core.utilities.arguments import require_instance
-from trainer_core.utilities.compiled_names import module_state_dict, plain_state_dict
+from trainer_core.utilities.compiled_names import module_state_dict, plain_named_parameters, plain_state_dict
 
 __all__ = ["TrainingTypePlugin", "optimizer_defaults"]
 
@@ -524,6 +524,36 @@ class TrainingTypePlugin(_RefusesUnknownArguments):
         the plugin decides what still applies).
         """
 
+    def accumulated_gradients(self, module: nn.Module) -> dict[str, Tensor]:
+        """This rank's gradients of an unfinished accumulation cycle, by plain parameter name (copies).
+
+        Each rank's own under data parallelism, where they are synchronised only at the step; this
+        rank's shard of a ``DTensor`` gradient. Called on every rank, so an override may run collectives.
+        """
+        return {
+            name: _local_tensor(p.grad).detach().clone()
+            for name, p in plain_named_parameters(module)
+            if p.grad is not None
+        }
+
+    def put_back_accumulated_gradients(self, module: nn.Module, grads: dict[str, Tensor]) -> None:
+        """Give ``module``'s parameters the gradients :meth:`accumulated_gradients` saved (on every rank)."""
+        for name, param in plain_named_parameters(module):
+            if name in grads:
+                grad = grads[name].to(param.device)
+                if hasattr(param, "device_mesh"):  # a DTensor shard: the gradient is this rank's shard
+                    from torch.distributed.tensor import DTensor
+
+                    grad = DTensor.from_local(
+                        grad,
+                        param.device_mesh,
+                        param.placements,
+                        run_check=False,
+                        shape=param.shape,
+                        stride=param.stride(),
+                    )
+                param.grad = grad
+
     # ------------------------------------------------------------------ checkpoint files
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str, storage_options: Optional[Any] = None
@@ -538,6 +568,10 @@ class TrainingTypePlugin(_RefusesUnknownArguments):
     def remove_checkpoint(self, filepath: str) -> None:
         if self.is_global_zero:
             self.checkpoint_io.remove_checkpoint(filepath)
+
+
+def _local_tensor(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _sharded_grad_scaler(device_type: str) -> torch.amp.GradScaler:

@@ -10,12 +10,20 @@ gradient bucket: it is registered on the wrapper on every backend, gloo on CPU i
 registers it on CUDA only and ignores it elsewhere). Its state resumes from checkpoints through
 ``plugin_state_dict``: a ``PowerSGDState`` is saved field by field, every rank's error feedback
 with it; another state object through its own ``state_dict``/``load_state_dict``.
+
+A resume is exact at every world size: DDP reduces its first iteration in one bucket of the
+parameters in definition order and then rebuilds its buckets in the order the gradients became
+ready, so a wrapper built anew for a resume would sum the first step's gradients in other chunks
+(gloo's ring all-reduce adds three or more ranks' values in an order set by a value's place in
+the bucket). The checkpoint keeps the rebuilt buckets (``plugin_state_dict``), and the resumed
+wrapper is built with them (``wrap_model``): nothing is added to the step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -25,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer_core.plugins.base import wrapper_keywords
 from trainer_core.plugins.ddp_comm_hooks import (
+    BUCKET_LAYOUT_KEY,
     BUCKETS_KEY,
     COMM_STATE_KEY,
     KIND_KEY,
@@ -65,17 +74,37 @@ __all__ = [
 ]
 
 _logger = logging.getLogger("trainer_core")
+# Off only to measure what pinning the buckets changes (benchmarks/resume_exact.py); always on otherwise.
+_PIN_BUCKETS = True
 
 
 class _StepRouter(nn.Module):
-    """Lets DDP's ``forward`` run a named step of the LightningModule (``training_step``)."""
+    """Lets DDP's ``forward`` run a named step of the LightningModule (``training_step``).
 
-    def __init__(self, module: nn.Module) -> None:
+    ``reduction_order``: the parameters in the order DDP's reducer is to number them, or ``None``
+    for DDP's own (definition) order. DDP numbers the parameters by walking each module's own
+    (``recurse=False``) parameters, dropping those seen already; the router, the first module it
+    walks, names them all here, in this order, until :meth:`forget_reduction_order` (after DDP is
+    built): every other traversal sees the module's parameters with their own names.
+    """
+
+    def __init__(self, module: nn.Module, reduction_order: Optional[list[nn.Parameter]] = None) -> None:
         super().__init__()
         self.module = module
+        self._reduction_order = reduction_order
 
     def forward(self, step: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.module, step)(*args, **kwargs)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        if recurse or not self._reduction_order:
+            return super().named_parameters(prefix, recurse, remove_duplicate)
+        return ((f"{prefix}_reduced_{index}", param) for index, param in enumerate(self._reduction_order))
+
+    def forget_reduction_order(self) -> None:
+        self._reduction_order = None
 
 
 class DDPPlugin(ParallelPlugin):
@@ -96,10 +125,10 @@ class DDPPlugin(ParallelPlugin):
 
     The state resumes from a full checkpoint (:meth:`plugin_state_dict`). A ``PowerSGDState``: at the
     same world size every rank's error feedback, the warm-start matrices, the generator and the
-    iteration, exactly when DDP's first iteration after the resume reduces in the buckets the state
-    was saved in (a model whose parameters DDP keeps in one order); DDP rebuilds its buckets after
-    that iteration in the order the gradients became ready, and where that order differs the first
-    step after the resume reduces uncompressed and the saved state takes over at the next (logged).
+    iteration, exactly: the resumed wrapper reduces in the buckets the state was saved in (the
+    checkpoint keeps DDP's rebuilt buckets). From a checkpoint without them (written before they were
+    saved) whose buckets differ from DDP's first ones, the first step after the resume reduces
+    uncompressed and the saved state takes over at the next (logged).
     At another world size only the iteration and the generator. Its hyper-parameters are the ones the
     state was built with in this run. On gloo, PowerSGD issues its second all-reduce from a callback,
     so with several buckets the ranks can interleave them differently and hang: keep one bucket
@@ -152,6 +181,8 @@ class DDPPlugin(ParallelPlugin):
         self._ddp_comm_wrapper = ddp_comm_wrapper
         self._told_hook_idle = False
         self._rebuilt_buckets: Optional[list[list[int]]] = None
+        # The rebuilt buckets of the checkpoint being restored, read before setup, used by the next wrapper.
+        self._saved_layout: Optional[list[list[int]]] = None
         self._ddp_kwargs = ddp_kwargs
 
     @classmethod
@@ -187,14 +218,82 @@ class DDPPlugin(ParallelPlugin):
             self._tell_hook_idle()
             return module
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
-        model = DistributedDataParallel(_StepRouter(module), device_ids=device_ids, **self._ddp_kwargs)
+        layout, self._saved_layout = self._saved_layout, None
+        router = _StepRouter(module)
+        order = self._reduction_order(router, layout)
+        if order is not None:
+            router = _StepRouter(module, order)
+        model = DistributedDataParallel(router, device_ids=device_ids, **self._ddp_kwargs)
+        router.forget_reduction_order()
         self._rebuilt_buckets = None
+        if order is not None:
+            self._pin_buckets(model, layout)
         hook = self._ddp_comm_hook
         if hook is not None:
             if self._ddp_comm_wrapper is not None:
                 hook = self._ddp_comm_wrapper(hook)
             model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
         return model
+
+    def _rebuilds_buckets(self) -> bool:
+        """Whether DDP rebuilds its buckets after the first iteration (not while it finds unused parameters)."""
+        return not self._ddp_kwargs.get("find_unused_parameters") or bool(
+            self._ddp_kwargs.get("static_graph")
+        )
+
+    def _reduction_order(
+        self, router: _StepRouter, layout: Optional[list[list[int]]]
+    ) -> Optional[list[nn.Parameter]]:
+        """The parameters in the saved buckets' order, or ``None`` where there are none or they do not fit.
+
+        They fit when they are exactly the parameters DDP reduces here (those that train and that
+        ``_set_params_and_buffers_to_ignore_for_model`` leaves to it); else the wrapper starts in
+        DDP's own buckets, as a checkpoint written before the layout was saved does.
+        """
+        if layout is None or not self._rebuilds_buckets() or not _PIN_BUCKETS:
+            return None
+        params = list(router.parameters())
+        reduced = [i for i, p in enumerate(params) if p.requires_grad and not hasattr(p, "_ddp_ignored")]
+        flat = [index for bucket in layout for index in bucket]
+        if sorted(flat) != reduced:
+            return None
+        return [params[index] for index in flat]
+
+    def _pin_buckets(self, model: DistributedDataParallel, layout: list[list[int]]) -> None:
+        """Rebuild the new wrapper's buckets now, before its first iteration, as the saved run had them.
+
+        DDP rebuilds once, from the parameters in the order they reach its reducer; pushed all at
+        once they come in the reducer's own numbering, which :meth:`_reduction_order` made the
+        saved order, and the same size limits cut them into the same buckets. Rebuilt once, DDP
+        never rebuilds again (the run that went on did not either). These are the two reducer calls
+        torch's own join hook (``_DDPJoinHook``) makes; they are collectives, made on every rank alike.
+        """
+        reducer = model.reducer
+        reducer._push_all_rebuilt_params()
+        if reducer._rebuild_buckets():
+            model._has_rebuilt_buckets = True
+        now = bucket_layout(model)
+        if now == layout:
+            self._rebuilt_buckets = now
+        elif self.is_global_zero:
+            _logger.warning(
+                f"{type(self).__name__}: the resumed DistributedDataParallel could not take the gradient buckets "
+                "saved in the checkpoint; its first step sums the ranks' gradients in another order, so from three "
+                "ranks on it may differ from the run that went on in the last bits."
+            )
+
+    def load_checkpoint(self, filepath: str) -> dict[str, Any]:
+        """The checkpoint, whose saved gradient buckets the next wrapper (built after this, in setup) takes."""
+        checkpoint = super().load_checkpoint(filepath)
+        plugin_state = checkpoint.get("plugin_state") if isinstance(checkpoint, dict) else None
+        layout = plugin_state.get(BUCKET_LAYOUT_KEY) if isinstance(plugin_state, dict) else None
+        self._saved_layout = layout if _is_layout(layout) else None
+        return checkpoint
+
+    def teardown(self) -> None:
+        # The buckets are read while the wrapper exists: a checkpoint written after fit returns keeps them too.
+        self._rebuilt_layout()
+        super().teardown()
 
     def _tell_hook_idle(self) -> None:
         if self._ddp_comm_hook is None or self._told_hook_idle:
@@ -210,30 +309,37 @@ class DDPPlugin(ParallelPlugin):
         )
 
     def plugin_state_dict(self) -> dict[str, Any]:
-        """The communication hook's state of every rank (gathered here, on every rank), or ``{}``.
+        """The rebuilt gradient buckets, and the communication hook's state of every rank, or ``{}``.
 
-        A ``PowerSGDState`` field by field (the process group left out; the numpy generator as a tensor
-        and numbers, so the file loads with ``weights_only=True``), with the gradient buckets its
-        per-bucket state belongs to; another state through its ``state_dict()``; a state without one
-        is not saved.
+        The buckets once DDP has rebuilt them (after the first iteration), as :func:`bucket_layout`
+        gives them. The hook's state is gathered here, on every rank: a ``PowerSGDState`` field by
+        field (the process group left out; the numpy generator as a tensor and numbers, so the file
+        loads with ``weights_only=True``), with the gradient buckets its per-bucket state belongs to;
+        another state through its ``state_dict()``; a state without one is not saved.
         """
+        saved: dict[str, Any] = {}
+        layout = self._rebuilt_layout()
+        if layout is not None:
+            saved[BUCKET_LAYOUT_KEY] = layout
         own = comm_state_dict(self._ddp_comm_state) if self._ddp_comm_hook is not None else None
         if own is None:
-            return {}
+            return saved
         kind, state = own
-        saved = {KIND_KEY: kind, PER_RANK_KEY: self.all_gather_object(state)}
+        comm = {KIND_KEY: kind, PER_RANK_KEY: self.all_gather_object(state)}
         if kind == POWER_SGD_KIND:
-            saved[BUCKETS_KEY] = self._buckets_now()
-        return {COMM_STATE_KEY: saved}
+            comm[BUCKETS_KEY] = self._buckets_now()
+        saved[COMM_STATE_KEY] = comm
+        return saved
+
+    def _rebuilt_layout(self) -> Optional[list[list[int]]]:
+        """The wrapper's buckets once DDP has rebuilt them (read once: they stay so), else ``None``."""
+        if self._rebuilt_buckets is None and getattr(self._model, "_has_rebuilt_buckets", False):
+            self._rebuilt_buckets = bucket_layout(self._model)
+        return self._rebuilt_buckets
 
     def _buckets_now(self) -> Optional[list[list[int]]]:
-        """The wrapper's buckets (:func:`_bucket_layout`), read once they are rebuilt, as they stay from then on."""
-        if self._rebuilt_buckets is not None:
-            return self._rebuilt_buckets
-        layout = bucket_layout(self._model)
-        if getattr(self._model, "_has_rebuilt_buckets", False):
-            self._rebuilt_buckets = layout
-        return layout
+        """The wrapper's buckets (:func:`bucket_layout`): the rebuilt ones, or those of its first iteration."""
+        return self._rebuilt_layout() or bucket_layout(self._model)
 
     def load_plugin_state_dict(self, state: dict[str, Any]) -> None:
         """This rank's own hook state at the same world size; at another, what every rank shares."""
@@ -298,6 +404,13 @@ class DDPPlugin(ParallelPlugin):
         ):
             _prepare_for_backward(model, loss)
         return super().backward(loss, optimizer, *args, **kwargs)
+
+
+def _is_layout(value: Any) -> bool:
+    """Whether a checkpoint's value is a bucket layout: lists of parameter positions."""
+    return isinstance(value, list) and all(
+        isinstance(bucket, list) and all(isinstance(i, int) for i in bucket) for bucket in value
+    )
 
 
 def _prepare_for_backward(model: DistributedDataParallel, loss: Tensor) -> None:

@@ -27,6 +27,9 @@ PER_RANK_KEY = "per_rank"
 POWER_SGD_KIND = "PowerSGDState"
 STATE_DICT_KIND = "state_dict"
 BUCKETS_KEY = "buckets"
+#: Under the checkpoint's ``"plugin_state"``: the gradient buckets DDP had rebuilt (:func:`bucket_layout`), which
+#: the resumed wrapper reduces in from its first iteration on.
+BUCKET_LAYOUT_KEY = "ddp_bucket_layout"
 #: What a ``PowerSGDState`` changes as it runs; its other fields are the hyper-parameters it was built with.
 _POWER_SGD_RUN_STATE = (
     "iter",

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from trainer_core.plugins.environments import ClusterEnvironment
+    from trainer_core.plugins.fsdp_gather import StreamedGather
     from trainer_core.plugins.io import CheckpointIO
     from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
     from trainer_core.trainer import Trainer
@@ -50,10 +51,6 @@ class FSDPPlugin(ParallelPlugin):
     """
 
     name = "fsdp"
-    mid_accumulation_gradients_unsaved = (
-        "while gradient synchronisation is off between two optimizer steps, FSDP keeps the accumulated gradients "
-        "unsharded inside its own parameters, out of reach of the checkpoint"
-    )
     # FSDP2 runs post-accumulate-grad hooks on the sharded gradient after its reduce-scatter.
     optimizer_in_backward_unsupported = None
     # A sharded folder loads into the shards, which exist once fully_shard has run (and a meta-device model is materialised).
@@ -88,6 +85,7 @@ class FSDPPlugin(ParallelPlugin):
         self.state_dict_type = state_dict_type
         self.hybrid_shard = hybrid_shard
         self._dims: Optional[ParallelDims] = None
+        self._streamed_save: Optional[StreamedGather] = None  # a full save's gather, open until it is written
         if state_dict_type == "sharded" and self._checkpoint_io is None:
             from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
 
@@ -208,6 +206,41 @@ class FSDPPlugin(ParallelPlugin):
     def _gradient_sync_pause(self) -> Optional[contextlib.AbstractContextManager]:
         return None if self.world_size == 1 else self._skip_gradient_sync()
 
+    # ------------------------------------------------------------------ accumulation
+    @property
+    def mid_accumulation_gradients_unsaved(self) -> Optional[str]:  # type: ignore[override]
+        """Why the gradients of an unfinished accumulation cycle cannot be saved: a ``reduce_dtype`` of its own."""
+        policy = self.mixed_precision
+        if policy is None or policy.reduce_dtype is None or policy.reduce_dtype == policy.param_dtype:
+            return None
+        return (
+            f"with MixedPrecisionPolicy(reduce_dtype={policy.reduce_dtype}) FSDP adds the cycle's gradients up in "
+            "a buffer of its own, which no public torch API reads or writes"
+        )
+
+    def accumulated_gradients(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's gradients of the unfinished cycle: whole tensors, this rank's own sum, by name.
+
+        While gradient synchronisation is off, each FSDP module leaves a backward's gradients on its
+        unsharded parameters, which it keeps out of the module between forwards, and reduce-scatters
+        them at the cycle's last backward. ``FSDPModule.unshard()`` puts those parameters back on the
+        module for a moment (an all-gather of the weights: a collective, made on every rank), so they
+        are read as any module's; as large as DDP's, which saves every rank's gradients too. One
+        process reduces at every backward (nothing to pause): its gradients are the shards' own.
+        """
+        if self.world_size == 1:
+            return super().accumulated_gradients(module)
+        with _unsharded(module):
+            return super().accumulated_gradients(module)
+
+    def put_back_accumulated_gradients(self, module: nn.Module, grads: dict[str, torch.Tensor]) -> None:
+        """The saved cycle's gradients on the unsharded parameters, where the next backward adds to them."""
+        if self.world_size == 1:
+            super().put_back_accumulated_gradients(module, grads)
+            return
+        with _unsharded(module):
+            super().put_back_accumulated_gradients(module, grads)
+
     # ------------------------------------------------------------------ state
     def _options(self, full: bool) -> Any:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -230,15 +263,56 @@ class FSDPPlugin(ParallelPlugin):
         torch's full state dict gathers one tensor at a time to every rank; this takes torch's sharded
         state dict (same keys, same order) and gathers its shards to rank 0 in buckets of bounded size
         (``fsdp_gather``), with the same result bit for bit. torch's own path remains for states the
-        buckets do not know, and when ``fsdp_gather.GATHER_BUCKET_BYTES`` is ``None``.
+        buckets do not know, and when ``fsdp_gather.GATHER_BUCKET_BYTES`` is ``None``. Inside a
+        streamed save (:meth:`start_streamed_save`) the bucketed tensors stay lazy until written.
         """
         from trainer_core.plugins import fsdp_gather
 
         if fsdp_gather.GATHER_BUCKET_BYTES is not None:
             sharded = state_dict(self._options(full=False))
             if fsdp_gather.can_gather(sharded):
+                if self._streamed_save is not None:
+                    return self._streamed_save.add(sharded)
                 return fsdp_gather.gather_full_state_dict(sharded)
         return state_dict(self._options(full=True))
+
+    def start_streamed_save(self) -> None:
+        """Gather the full state of the checkpoint being built while rank 0 writes it (``dump_checkpoint``
+        calls this as it starts, when no hook reads the dict).
+
+        Until :meth:`save_checkpoint`, the model's and optimizers' bucketed tensors are lazy on rank 0
+        (``fsdp_gather.StreamedGather``) and are gathered record by record as the file is written, so
+        the write overlaps the gather and rank 0 holds about a bucket, not the whole state. Only for
+        ``TorchCheckpointIO`` itself (local disk and object stores), which writes them with the same
+        bytes; other IOs (async, frozen weights), sharded checkpoints and torch's gather keep the full dict.
+        """
+        from trainer_core.plugins import fsdp_gather
+        from trainer_core.plugins.io.torch_io import TorchCheckpointIO
+
+        self._streamed_save = None  # one a failed save left
+        if (
+            self._full
+            and self.world_size > 1
+            and fsdp_gather.GATHER_BUCKET_BYTES is not None
+            and fsdp_gather.STREAM_FULL_SAVES
+            and type(self.checkpoint_io) is TorchCheckpointIO
+        ):
+            self._streamed_save = fsdp_gather.StreamedGather()
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str, storage_options: Optional[Any] = None
+    ) -> None:
+        """Write ``checkpoint``; a streamed save's buckets are gathered while rank 0 writes (a collective then)."""
+        streamed, self._streamed_save = self._streamed_save, None
+        if streamed is None:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        try:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+        finally:
+            # The other ranks send every bucket here; rank 0 receives what its write left (all of it
+            # when the write failed), so the collectives match whatever happened to the file.
+            streamed.finish()
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -307,6 +381,21 @@ class FSDPPlugin(ParallelPlugin):
                     states.append(get_optimizer_state_dict(self._lightning_module, opt, options=options))
             template[KEY_OPTIMIZER_STATES] = states
         return template
+
+
+@contextlib.contextmanager
+def _unsharded(module: nn.Module) -> Iterator[None]:
+    """Every FSDP module of ``module`` with its unsharded parameters registered (and their gradients)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    parts = [sub for sub in module.modules() if isinstance(sub, FSDPModule)]
+    for part in parts:
+        part.unshard()
+    try:
+        yield
+    finally:
+        for part in parts:
+            part.reshard()
 
 
 def has_meta_tensors(module: nn.Module) -> bool:

@@ -11,9 +11,12 @@ moves without a copy: each rank sends its rows from where they lie, rank 0 recei
 belong in the full tensor. Smaller tensors are packed, as bytes (any dtype), into one flat buffer
 per rank and copied out on rank 0.
 
-Memory: rank 0 holds the full state on CPU, as torch's path does, plus at most one bucket (the
-receive buffer of packed buckets); every other rank holds at most its share of one bucket (the
-send buffer) and nothing else.
+Memory: :func:`gather_full_state_dict` leaves the full state on rank 0's CPU, as torch's path does,
+plus at most one bucket (the receive buffer of packed buckets); every other rank holds at most its
+share of one bucket (the send buffer) and nothing else. :class:`StreamedGather` (a full save) gives
+rank 0 placeholders instead and gathers each tensor when the file writer reaches it, the next bucket
+in flight meanwhile: rank 0 then holds the tensor being written, the bucket in flight and the
+receive buffer, not the state.
 
 Every other value goes the way torch's path takes it, so the result is the same dict, bit for bit:
 a ``DTensor`` on a 2-D mesh (HSDP), replicated, tensor-parallel, or on a mesh that is not all
@@ -25,8 +28,9 @@ says whether a state holds only such values; the caller uses torch's own path wh
 
 from __future__ import annotations
 
+import functools
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -40,6 +44,11 @@ import torch.distributed as dist
 #: is already small against 16 MB (``benchmarks/fsdp_checkpoint.py --bucket-mb`` tries others). ``None`` makes the FSDP plugin use
 #: torch's one-tensor-at-a-time gather instead (for comparison).
 GATHER_BUCKET_BYTES: Optional[int] = 16 * 2**20
+
+#: Whether a full save under ``FSDPPlugin`` gathers its state while rank 0 writes the file
+#: (:class:`StreamedGather`); ``False`` gathers it whole first, then writes (the path before issue 32,
+#: kept for comparison: ``benchmarks/fsdp_checkpoint.py`` measures both).
+STREAM_FULL_SAVES = True
 
 #: Each packed range starts at a multiple of this many bytes (copies run faster on aligned memory).
 _ALIGN = 64
@@ -74,21 +83,83 @@ def gather_full_state_dict(state: dict[str, Any], bucket_bytes: Optional[int] = 
     requires). ``bucket_bytes`` (default :data:`GATHER_BUCKET_BYTES`) bounds what one collective
     gathers; a single row larger than that is gathered by itself.
     """
-    if bucket_bytes is None:
-        bucket_bytes = GATHER_BUCKET_BYTES or 0
-    if bucket_bytes <= 0:
-        raise ValueError(
-            f"gather_full_state_dict(bucket_bytes={bucket_bytes}): give a positive number of bytes."
-        )
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
-    world = dist.get_world_size() if distributed else 1
-    found: list[Any] = []
-    _collect_dtensors(state, found)
-    rows = _bucketable(found, rank, world) if distributed else [None] * len(found)
-    _gather_rows([r for r in rows if r is not None], bucket_bytes, rank, world)
+    rank, world = _rank_and_world()
+    run = _BucketRun(bucket_bytes, rank, world)
+    rows = _planned_rows(state, run)
+    run.finish()
     full = _rebuild(state, iter(rows), rank == 0)
     return full if rank == 0 else {}
+
+
+class StreamedGather:
+    """Full states whose bucketed tensors are gathered only when a writer reads them (one save's worth).
+
+    :meth:`add` returns, on rank 0, the full state with a :class:`~trainer_core.checkpoint.stream.LazyTensor`
+    (dtype and shape) in place of each tensor that goes into buckets; reading it (the streamed torch
+    file writer does, record by record) runs the buckets up to the last one that tensor needs and
+    starts the next, so the gather of one tensor overlaps the write of the one before. Rank 0 then
+    holds about one bucket and one tensor at a time, not the whole state. Other ranks get ``{}`` and
+    send every bucket in :meth:`finish`, which every rank must call once the file is written (or its
+    writing has failed: rank 0 then receives what is left and drops it), so that the collectives match.
+
+    States are gathered in the order they were added, whatever the order the writer reads them in;
+    a tensor read before the ones planned ahead of it makes rank 0 keep those until they are read.
+    Tensors that do not go into buckets (see :func:`gather_full_state_dict`) are gathered in
+    :meth:`add`, on every rank, as there.
+    """
+
+    def __init__(self, bucket_bytes: Optional[int] = None) -> None:
+        self._rank, world = _rank_and_world()
+        self._memory = _Reused()
+        self._run = _BucketRun(bucket_bytes, self._rank, world, self._memory)
+
+    @torch.no_grad()
+    def add(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (a sharded state dict) as :func:`gather_full_state_dict` gives it, its bucketed
+        tensors lazy. A collective only for tensors gathered by themselves."""
+        rows = _planned_rows(state, self._run)
+        full = _rebuild(state, iter(rows), self._rank == 0, self._lazy)
+        return full if self._rank == 0 else {}
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Run the buckets not read yet (every rank; rank 0 drops what they bring). A collective."""
+        from trainer_core.checkpoint.stream import release_freed_memory
+
+        self._run.finish(discard=True)
+        release_freed_memory()  # the reused buffers, freed now
+
+    def _lazy(self, item: _Rows) -> Any:
+        from trainer_core.checkpoint.stream import LazyTensor
+
+        return LazyTensor(
+            item.dtype,
+            tuple(item.shape),
+            functools.partial(self._read, item),
+            "a gathered FSDP tensor",
+            release=self._memory.give,
+        )
+
+    @torch.no_grad()
+    def _read(self, item: _Rows) -> torch.Tensor:
+        return self._run.take(item)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _planned_rows(state: dict[str, Any], run: _BucketRun) -> list[Optional[_Rows]]:
+    """For each ``DTensor`` of ``state`` (in :func:`_rebuild`'s order), its rows, planned into ``run``'s
+    buckets, or ``None`` when it is gathered by itself."""
+    found: list[Any] = []
+    _collect_dtensors(state, found)
+    distributed = dist.is_available() and dist.is_initialized()
+    rows = _bucketable(found, run.rank, run.world) if distributed else [None] * len(found)
+    run.add([r for r in rows if r is not None])
+    return rows
 
 
 # ----------------------------------------------------------------------------- which tensors
@@ -111,6 +182,8 @@ class _Rows:
     row_bytes: int
     full: Optional[torch.Tensor] = None  # rank 0: the full CPU tensor
     full_bytes: Optional[torch.Tensor] = None  # rank 0: (rows, row_bytes) uint8 view of ``full``
+    last_bucket: int = -1  # place of the last bucket holding its rows in :class:`_BucketRun`'s order
+    memory: Optional[_Reused] = None  # where ``full`` comes from, if not a new tensor (a streamed save)
 
     @property
     def rows(self) -> int:
@@ -118,7 +191,10 @@ class _Rows:
 
     def target(self) -> torch.Tensor:
         if self.full_bytes is None:
-            self.full = torch.empty(self.shape, dtype=self.dtype, device="cpu")
+            if self.memory is None:
+                self.full = torch.empty(self.shape, dtype=self.dtype, device="cpu")
+            else:
+                self.full = self.memory.take(self.shape, self.dtype)
             self.full_bytes = self.full.view(-1).view(torch.uint8).view(self.rows, self.row_bytes)
         return self.full_bytes
 
@@ -187,6 +263,41 @@ def _rows_of(value: Any, rank: int, world: int) -> _Rows:
     return _Rows(local_bytes, value.device_mesh, shape, value.dtype, chunk, row_bytes)
 
 
+class _Reused:
+    """The memory of full tensors already written, reused for the next ones of the same size.
+
+    A streamed save gathers one tensor after another, mostly of a few sizes (a layer's weight and its
+    optimizer moments). A new tensor each time costs a page fault per 4 KiB and, to keep the process
+    from holding freed memory, a ``malloc_trim`` after each (measured: about a tenth of a save); here
+    each size keeps at most ``keep`` spare buffers, so rank 0 holds a few tensors' worth, not more.
+    Tensors below :data:`_REUSE_FROM_BYTES` are not kept (they cost little either way).
+    """
+
+    def __init__(self, keep: int = 1) -> None:
+        self.keep = keep
+        self._spare: dict[int, list[torch.Tensor]] = {}
+
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        spare = self._spare.get(nbytes)
+        raw = spare.pop() if spare else torch.empty(nbytes, dtype=torch.uint8)
+        return raw.view(dtype).view(shape)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        """Take back a tensor from :meth:`take` (its record written); kept if its size has room."""
+        nbytes = tensor.nbytes
+        spare = self._spare.setdefault(nbytes, [])
+        if nbytes >= _REUSE_FROM_BYTES and len(spare) < self.keep:
+            spare.append(tensor.reshape(-1).view(torch.uint8))
+
+    def clear(self) -> None:
+        self._spare.clear()
+
+
+#: Full tensors from this size up have their memory reused in a streamed save.
+_REUSE_FROM_BYTES = 2**20
+
+
 # ----------------------------------------------------------------------------- buckets
 
 
@@ -210,6 +321,8 @@ class _Bucket:
 
     pieces: list[_Piece]
     used: int
+    group: Any = None  # the process group and the device of the collective (set by :class:`_BucketRun`)
+    device: Optional[torch.device] = None
 
 
 def _plan(items: list[_Rows], part_bytes: int) -> list[_Bucket]:
@@ -241,39 +354,124 @@ def _plan(items: list[_Rows], part_bytes: int) -> list[_Bucket]:
     return buckets
 
 
-def _gather_rows(items: list[_Rows], bucket_bytes: int, rank: int, world: int) -> None:
-    """Gather every item's rows to rank 0 (into ``item.full``), one ``dist.gather`` per bucket."""
-    if not items:
-        return
-    buckets = _plan(items, max(1, bucket_bytes // world))
-    # Every item's mesh is all ranks in rank order on one device type: any of their groups will do.
-    mesh = items[0].mesh
-    group = mesh.get_group()
-    device = _comm_device(mesh.device_type)
-    largest = max(bucket.used for bucket in buckets)
-    send_buffer: Optional[torch.Tensor] = None  # made when a bucket is first packed
-    receive_buffer: Optional[torch.Tensor] = None
-    for bucket in buckets:
-        send = _in_place_send(bucket, rank, device)
+class _BucketRun:
+    """The buckets of one or more states, gathered to rank 0 one ``dist.gather`` at a time, in order.
+
+    Every rank runs the same buckets in the same order (a collective each). Rank 0 starts each gather
+    without waiting for it (``async_op``): :meth:`take` lands the buckets a tensor needs and leaves
+    the next one in flight, so gloo's threads receive it while the caller writes the tensor to the
+    file. One bucket is landed (waited for, its packed pieces copied out) before the next starts, so
+    one send and one receive buffer serve every bucket.
+    """
+
+    def __init__(
+        self, bucket_bytes: Optional[int], rank: int, world: int, memory: Optional[_Reused] = None
+    ) -> None:
+        if bucket_bytes is None:
+            bucket_bytes = GATHER_BUCKET_BYTES or 0
+        if bucket_bytes <= 0:
+            raise ValueError(
+                f"gather_full_state_dict(bucket_bytes={bucket_bytes}): give a positive number of bytes."
+            )
+        self.bucket_bytes = bucket_bytes
+        self.rank = rank
+        self.world = world
+        self._buckets: list[_Bucket] = []
+        self._largest = 0  # bytes of the largest bucket's part: the size of the send and receive buffers
+        self._started = 0  # buckets whose gather has started
+        self._landed = 0  # buckets whose bytes are in the full tensors
+        self._in_flight: Optional[tuple[Any, _Bucket, list[torch.Tensor], list[int]]] = None
+        self._send: dict[torch.device, torch.Tensor] = {}
+        self._receive: dict[torch.device, torch.Tensor] = {}
+        self._discard = False  # drop each full tensor as it lands (a save given up on rank 0)
+        self.memory = memory
+
+    def add(self, items: list[_Rows]) -> None:
+        """Plan ``items``'s buckets after those already planned (one state's tensors, one group)."""
+        if not items:
+            return
+        mesh = items[0].mesh
+        # Every item's mesh is all ranks in rank order on one device type: any of their groups will do.
+        group = mesh.get_group()
+        device = _comm_device(mesh.device_type)
+        for item in items:
+            item.memory = self.memory
+        for bucket in _plan(items, max(1, self.bucket_bytes // self.world)):
+            bucket.group, bucket.device = group, device
+            for piece in bucket.pieces:
+                piece.rows.last_bucket = len(self._buckets)
+            self._buckets.append(bucket)
+            self._largest = max(self._largest, bucket.used)
+
+    def take(self, item: _Rows) -> torch.Tensor:
+        """Rank 0: ``item``'s full tensor, gathered; the run keeps no reference to it afterwards."""
+        while self._landed <= item.last_bucket:
+            self._advance()
+        if self._in_flight is None and self._started < len(self._buckets):
+            self._start()  # in flight while the caller writes this tensor
+        full = item.full
+        if full is None:
+            raise RuntimeError(f"the gathered tensor of shape {tuple(item.shape)} was taken already")
+        item.full = item.full_bytes = None
+        return full
+
+    def finish(self, discard: bool = False) -> None:
+        """Run every bucket not run yet; ``discard`` (rank 0): keep none of what they bring."""
+        self._discard = discard
+        while self._landed < len(self._buckets):
+            self._advance()
+        self._send.clear()
+        self._receive.clear()
+        if self.memory is not None:
+            self.memory.clear()
+
+    def _advance(self) -> None:
+        if self._in_flight is None:
+            self._start()
+        self._land()
+
+    def _start(self) -> None:
+        bucket = self._buckets[self._started]
+        self._started += 1
+        send = _in_place_send(bucket, self.rank, bucket.device)
         if send is None:
-            if send_buffer is None:
-                send_buffer = torch.empty(largest, dtype=torch.uint8, device=device)
-            send = _pack(bucket, rank, send_buffer)
-        if rank != 0:
-            dist.gather(send, None, dst=0, group=group)
-            continue
-        parts = _in_place_receive(bucket, world, device)
-        if any(part is None for part in parts):
-            if receive_buffer is None:
-                receive_buffer = torch.empty(world, largest, dtype=torch.uint8, device=device)
-            buffered = [r for r, part in enumerate(parts) if part is None]
+            send = _pack(bucket, self.rank, self._buffer(self._send, (self._largest,), bucket.device))
+        if self.rank != 0:
+            dist.gather(send, None, dst=0, group=bucket.group)
+            self._landed += 1
+            return
+        parts = _in_place_receive(bucket, self.world, bucket.device)
+        buffered = [r for r, part in enumerate(parts) if part is None]
+        if buffered:
+            receive = self._buffer(self._receive, (self.world, self._largest), bucket.device)
             for r in buffered:
-                parts[r] = receive_buffer[r, : bucket.used]
-        else:
-            buffered = []
-        dist.gather(send, parts, dst=0, group=group)
+                parts[r] = receive[r, : bucket.used]
+        work = dist.gather(send, parts, dst=0, group=bucket.group, async_op=True)
+        self._in_flight = (work, bucket, parts, buffered)
+
+    def _land(self) -> None:
+        if self._in_flight is None:
+            return
+        work, bucket, parts, buffered = self._in_flight
+        self._in_flight = None
+        work.wait()
         for r in buffered:
             _unpack(bucket, r, parts[r])
+        if self._discard:
+            for piece in bucket.pieces:
+                if piece.rows.last_bucket == self._landed:
+                    piece.rows.full = piece.rows.full_bytes = None
+        self._landed += 1
+
+    @staticmethod
+    def _buffer(
+        buffers: dict[torch.device, torch.Tensor], shape: tuple[int, ...], device: torch.device
+    ) -> torch.Tensor:
+        """A buffer of ``shape`` on ``device``, made when a bucket first needs it (again if the largest bucket grew)."""
+        buffer = buffers.get(device)
+        if buffer is None or tuple(buffer.shape) != shape:
+            buffer = buffers[device] = torch.empty(shape, dtype=torch.uint8, device=device)
+        return buffer
 
 
 def _in_place_send(bucket: _Bucket, rank: int, device: torch.device) -> Optional[torch.Tensor]:
@@ -339,18 +537,24 @@ def _comm_device(device_type: str) -> torch.device:
 # ----------------------------------------------------------------------------- the result
 
 
-def _rebuild(obj: Any, rows: Iterator[Optional[_Rows]], keep: bool) -> Any:
+def _rebuild(
+    obj: Any,
+    rows: Iterator[Optional[_Rows]],
+    keep: bool,
+    lazy: Optional[Callable[[_Rows], Any]] = None,
+) -> Any:
     """``obj`` with every tensor full and on the CPU (``keep``: rank 0), in torch's containers.
 
     Walks in :func:`_collect_dtensors`'s order; a ``DTensor`` not gathered in buckets is gathered here
-    by itself, on every rank, as torch's path does.
+    by itself, on every rank, as torch's path does. ``lazy``: what stands for a bucketed tensor
+    instead of its full tensor (gathered later).
     """
     from torch.distributed.tensor import DTensor
 
     if isinstance(obj, DTensor):
         item = next(rows)
         if item is not None:
-            return item.full
+            return item.full if lazy is None or not keep else lazy(item)
         full = obj.full_tensor()
         return full.to("cpu") if keep else None
     if isinstance(obj, torch.Tensor):
@@ -358,9 +562,9 @@ def _rebuild(obj: Any, rows: Iterator[Optional[_Rows]], keep: bool) -> Any:
     if isinstance(obj, _SCALARS):
         return obj
     if isinstance(obj, dict):
-        return {key: _rebuild(value, rows, keep) for key, value in obj.items()}
+        return {key: _rebuild(value, rows, keep, lazy) for key, value in obj.items()}
     if isinstance(obj, list):
-        return [_rebuild(value, rows, keep) for value in obj]
+        return [_rebuild(value, rows, keep, lazy) for value in obj]
     if isinstance(obj, tuple):
-        return tuple(_rebuild(value, rows, keep) for value in obj)
+        return tuple(_rebuild(value, rows, keep, lazy) for value in obj)
     raise ValueError(f"Unexpected value type {type(obj)}")

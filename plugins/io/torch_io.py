@@ -42,6 +42,7 @@ from trainer_core.checkpoint.files import (
     write_commit_marker,
 )
 from trainer_core.checkpoint.format import decode_byte_payloads, encode_byte_payloads, validate_checkpoint
+from trainer_core.checkpoint.stream import save_torch_file
 from trainer_core.errors import CheckpointError, MisconfigurationException
 from trainer_core.paths import PathLike, is_local, resolve
 from trainer_core.plugins.io.checkpoint_io import CheckpointIO
@@ -162,7 +163,7 @@ class TorchCheckpointIO(CheckpointIO):
             with fs.open(temp, "wb") as f:
                 lock_temporary(f.fileno())  # held until closed: a live writer's file is never cleaned up
                 writer = GuardedWriter(f, max_piece=None)
-                torch.save(checkpoint, writer)
+                save_torch_file(checkpoint, writer)
                 writer.raise_error()
                 f.flush()
                 os.fsync(f.fileno())
@@ -183,7 +184,7 @@ class TorchCheckpointIO(CheckpointIO):
             upload = ParallelMultipartUpload(fs, fs_path, part_size=part, concurrency=concurrency)
             try:
                 writer = GuardedWriter(upload, max_piece=part)
-                torch.save(checkpoint, writer)
+                save_torch_file(checkpoint, writer)
                 writer.raise_error()
                 upload.commit()  # only now is the object published (or the old one replaced)
             except BaseException:
@@ -204,7 +205,7 @@ class TorchCheckpointIO(CheckpointIO):
             )
         try:
             writer = GuardedWriter(file, max_piece=part)
-            torch.save(checkpoint, writer)
+            save_torch_file(checkpoint, writer)
             writer.raise_error()
             if isinstance(file, AbstractBufferedFile):
                 file.close()  # uploads the last part; with autocommit=False the object is not yet published

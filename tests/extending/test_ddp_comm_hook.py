@@ -147,19 +147,17 @@ def test_the_checkpoint_holds_every_ranks_powersgd_state(powersgd: tuple[Path, l
     )
 
 
-def test_a_resume_into_rebuilt_buckets_reduces_its_first_step_uncompressed(
+def test_a_resume_into_rebuilt_buckets_continues_exactly(
     powersgd: tuple[Path, list[dict[str, Any]]],
 ) -> None:
-    """The MLP's single bucket is rebuilt in reverse order: the saved error feedback waits one step."""
-    (first, second) = (facts["rebuilt"] for facts in powersgd[1])
-    assert len(first["messages"]) == 1 and second["messages"] == []  # logged on rank 0
-    assert (
-        "the first step after resuming reduces uncompressed and compression resumes at the next"
-        in (first["messages"][0])
-    )
-    assert first["iters"] == [STEPS, STEPS - SAVE_AT + 1]
-    full, resumed = _data_loss(first["full"], 32, 1), _data_loss(first["resumed"], 32, 1)
-    assert resumed < 1.5 * full, f"{full:.4f} vs {resumed:.4f}"
+    """The MLP's single bucket is rebuilt in reverse order; the resumed wrapper starts in it (the
+    checkpoint keeps it), so compression goes on from the first step, bit for bit."""
+    for facts in powersgd[1]:
+        rebuilt = facts["rebuilt"]
+        assert rebuilt["messages"] == []
+        assert rebuilt["iters"] == [STEPS, STEPS]
+        for name, weight in rebuilt["full"].items():
+            assert torch.equal(rebuilt["resumed"][name], weight), name
 
 
 def test_another_world_size_takes_the_shared_powersgd_state(

@@ -7,20 +7,28 @@ mesh), steps Adam or SGD with momentum once, and compares, on every rank, the fu
 same keys in the same order, the same containers, tensors of the same dtype and shape and
 ``torch.equal``. Every ``dist.gather`` the buckets make is recorded (its size on each rank). Then,
 in the same process group, ``FSDPPlugin(state_dict_type="full")`` trains a small module two steps
-and saves it twice at the end, with the buckets and with torch's path
-(``GATHER_BUCKET_BYTES = None``); rank 0 compares the two files. Each rank writes
-``rank<r>.json``: per case, the differences found (none expected), the number of tensors, and the
-collectives.
+and saves it at the end: streamed (gathered while rank 0 writes), gathered whole first
+(``STREAM_FULL_SAVES = False``), with torch's path (``GATHER_BUCKET_BYTES = None``), with a callback
+that reads the dict in ``on_save_checkpoint``, to ``memory://``, and to a ``faulty://`` store whose
+upload fails part-way over a previous file; rank 0 compares the files byte for byte. A wider module
+(48 MiB of state) measures rank 0's peak resident memory during a streamed save and a whole one, and
+two more fits resume from the streamed file and run straight on. Each rank writes ``rank<r>.json``:
+per case, the differences found (none expected), the number of tensors, and the collectives.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
+import fsspec
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -33,11 +41,19 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from trainer_core import LightningModule, Trainer
+from trainer_core.callbacks import Callback
+from trainer_core.errors import CheckpointError
 from trainer_core.plugins import fsdp_gather
 from trainer_core.plugins.fsdp import FSDPPlugin
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # faulty_fs
+
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 SHARDED = StateDictOptions(full_state_dict=False)
+#: The memory case: 4 Linear(1024, 1024) (4 MiB weights each; 48 MiB with Adam's moments), 1 MiB buckets.
+MEMORY_SIZES = (1024, 1024, 1024, 1024, 1024)
+MEMORY_BUCKET_BYTES = 2**20
+MEMORY_URL = "memory://fsdp-gather-job/streamed.ckpt"
 
 
 class Uneven(nn.Module):
@@ -166,13 +182,17 @@ def _compare_model_and_optimizer(
 
 
 class Stack(LightningModule):
-    """Three Linear layers of uneven sizes under ``FSDPPlugin(auto_wrap_policy={nn.Linear})``, with Adam."""
+    """Linear layers (``sizes``) under ``FSDPPlugin(auto_wrap_policy={nn.Linear})``, with Adam; ``save`` runs
+    at the end of the fit, where the process group is up and the optimizer has stepped."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, sizes: tuple[int, ...], save: Callable[[Trainer], dict]) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 1))
-        self.out = out
-        self.saves: dict[str, list[int]] = {}
+        layers: list[nn.Module] = []
+        for a, b in zip(sizes, sizes[1:]):
+            layers += [nn.Linear(a, b), nn.Tanh()]
+        self.net = nn.Sequential(*layers[:-1])
+        self.save = save
+        self.result: dict = {}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.net(batch[0]).pow(2).mean()
@@ -181,45 +201,233 @@ class Stack(LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
 
     def on_train_end(self) -> None:
-        bucket = fsdp_gather.GATHER_BUCKET_BYTES
-        for name, size in (("bucketed", bucket), ("torch", None)):
-            fsdp_gather.GATHER_BUCKET_BYTES = size
-            try:
-                with GatherLog() as log:
-                    self.trainer.save_checkpoint(self.out / f"{name}.ckpt")
-            finally:
-                fsdp_gather.GATHER_BUCKET_BYTES = bucket
-            self.saves[name] = log.sent
+        self.result = self.save(self.trainer)
 
 
-def _plugin_saves(out: Path, world: int) -> dict:
-    """Save a trained module's checkpoint with the buckets and with torch's path; compare on rank 0."""
+def _fit(
+    out: Path,
+    world: int,
+    sizes: tuple[int, ...],
+    save: Callable[[Trainer], dict],
+    max_steps: int = 2,
+    ckpt_path: Optional[Path] = None,
+) -> dict:
     torch.manual_seed(0)
-    module = Stack(out)
-    data = torch.utils.data.TensorDataset(torch.randn(8 * world, 6))
+    module = Stack(sizes, save)
+    data = torch.utils.data.TensorDataset(torch.randn(8 * world, sizes[0]))
     trainer = Trainer(
         accelerator="cpu",
         devices=world,
         plugins=[FSDPPlugin(state_dict_type="full", auto_wrap_policy={nn.Linear})],
-        max_steps=2,
+        max_steps=max_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(out),
     )
-    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
     dist.barrier()
+    return module.result
+
+
+@contextlib.contextmanager
+def _setting(name: str, value: Any) -> Iterator[None]:
+    """``fsdp_gather.<name> = value`` for the block."""
+    before = getattr(fsdp_gather, name)
+    setattr(fsdp_gather, name, value)
+    try:
+        yield
+    finally:
+        setattr(fsdp_gather, name, before)
+
+
+class StreamLog:
+    """Counts the streamed saves (``StreamedGather.finish`` runs once per streamed save, on every rank)."""
+
+    def __init__(self) -> None:
+        self.finished = 0
+        self._original = fsdp_gather.StreamedGather.finish
+
+    def __enter__(self) -> StreamLog:
+        original = self._original
+
+        def finish(gather: Any) -> None:
+            self.finished += 1
+            original(gather)
+
+        fsdp_gather.StreamedGather.finish = finish
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        fsdp_gather.StreamedGather.finish = self._original
+
+
+class HookReader(Callback):
+    """Records, on rank 0, whether ``on_save_checkpoint`` saw real tensors and which values."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
+        if trainer.global_rank == 0:
+            state = checkpoint["state_dict"]
+            self.seen = {
+                "all_tensors": all(type(v) is torch.Tensor for v in state.values()),
+                "sum": float(sum(v.double().sum() for v in state.values())),
+            }
+
+
+def _save(trainer: Trainer, path: Path, **settings: Any) -> dict:
+    """``trainer.save_checkpoint(path)`` with ``fsdp_gather`` settings; its collectives and streamed saves."""
+    with contextlib.ExitStack() as stack:
+        for name, value in settings.items():
+            stack.enter_context(_setting(name, value))
+        log = stack.enter_context(GatherLog())
+        streams = stack.enter_context(StreamLog())
+        trainer.save_checkpoint(path)
+    return {"sent": log.sent, "streamed": streams.finished}
+
+
+def _async_save(trainer: Trainer, path: Path) -> dict:
+    """A save through ``AsyncCheckpointIO``, which stages the whole dict: gathered first, never streamed."""
+    from trainer_core.plugins.io.async_io import AsyncCheckpointIO
+
+    plugin = trainer.strategy
+    synchronous = plugin.checkpoint_io
+    plugin.checkpoint_io = AsyncCheckpointIO(synchronous)
+    try:
+        result = _save(trainer, path)
+        plugin.checkpoint_io.wait()
+    finally:
+        plugin.checkpoint_io.teardown()
+        plugin.checkpoint_io = synchronous
+    return result
+
+
+def _failed_save(trainer: Trainer, out: Path) -> dict:
+    """A streamed save to an object store whose upload fails part-way: the previous object stays."""
+    import faulty_fs
+
+    faulty_fs.register()
+    target = out / "failed.ckpt"
+    if trainer.global_rank == 0:
+        target.write_bytes(b"the previous checkpoint")
+    dist.barrier()
+    error = ""
+    with StreamLog() as streams:
+        try:
+            trainer.save_checkpoint(f"faulty://{target}", storage_options={"fail_write_after": 300})
+        except CheckpointError as err:
+            error = str(err)
+            trainer.strategy.barrier()  # the one a successful save ends with
+    return {
+        "error": error,
+        "streamed": streams.finished,
+        "previous_intact": target.read_bytes() == b"the previous checkpoint",
+        "left": sorted(p.name for p in out.iterdir() if p.name.startswith(".failed")),
+    }
+
+
+def _same_file_three_ways(out: Path) -> Callable[[Trainer], dict]:
+    """Streamed, gathered whole then written, torch's gather; then a hook reading the dict, a failed save."""
+
+    def save(trainer: Trainer) -> dict:
+        saves = {
+            "bucketed": _save(trainer, out / "bucketed.ckpt"),
+            "whole": _save(trainer, out / "whole.ckpt", STREAM_FULL_SAVES=False),
+            "torch": _save(trainer, out / "torch.ckpt", GATHER_BUCKET_BYTES=None),
+        }
+        reader = HookReader()
+        trainer.callbacks.append(reader)
+        try:
+            saves["hooked"] = _save(trainer, out / "hooked.ckpt")
+        finally:
+            trainer.callbacks.remove(reader)
+        saves["hooked"]["seen"] = reader.seen
+        saves["memory-url"] = _save(trainer, MEMORY_URL)  # an object store's path: an upload, then a commit
+        saves["async"] = _async_save(trainer, out / "async.ckpt")
+        saves["failed"] = _failed_save(trainer, out)
+        return saves
+
+    return save
+
+
+def _peak_growth(trainer: Trainer, path: Path, **settings: Any) -> int:
+    """Bytes rank 0's resident memory rose above where it stood, at its highest during one save."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+    before = _status_kb("VmRSS")
+    _save(trainer, path, **settings)
+    return (_status_kb("VmHWM") - before) * 1024
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _memory(out: Path) -> Callable[[Trainer], dict]:
+    """Rank 0's peak memory during a streamed save and during one gathered whole, and the state's size."""
+
+    def save(trainer: Trainer) -> dict:
+        module = trainer.lightning_module
+        state_bytes = 3 * sum(p.numel() * p.element_size() for p in module.parameters())  # weights + Adam
+        with _setting("GATHER_BUCKET_BYTES", MEMORY_BUCKET_BYTES):
+            streamed = _peak_growth(trainer, out / "memory-streamed.ckpt")
+            whole = _peak_growth(trainer, out / "memory-whole.ckpt", STREAM_FULL_SAVES=False)
+        same = dist.get_rank() == 0 and (
+            (out / "memory-streamed.ckpt").read_bytes() == (out / "memory-whole.ckpt").read_bytes()
+        )
+        return {"state_bytes": state_bytes, "streamed": streamed, "whole": whole, "same_bytes": same}
+
+    return save
+
+
+def _final_weights(trainer: Trainer) -> dict:
+    """The model's full state (rank 0), gathered outside a save: real tensors."""
+    return {"weights": trainer.strategy.lightning_module_state_dict()}
+
+
+def _resumed_differences(out: Path, world: int) -> list[str]:
+    """Four steps in one run against two, the streamed save, and two more resumed from it (rank 0)."""
+    sizes = (6, 7, 5, 1)
+    straight = _fit(out, world, sizes, _final_weights, max_steps=4)
+    resumed = _fit(out, world, sizes, _final_weights, max_steps=4, ckpt_path=out / "bucketed.ckpt")
+    return differences(resumed, straight) if dist.get_rank() == 0 else []
+
+
+def _plugin_saves(out: Path, world: int) -> dict:
+    """Save a trained module's checkpoint streamed, gathered whole, and with torch's path; compare on rank 0."""
+    saves = _fit(out, world, (6, 7, 5, 1), _same_file_three_ways(out))
+    memory = _fit(out, world, MEMORY_SIZES, _memory(out))
+    resumed = _resumed_differences(out, world)
     found: list[str] = []
+    same: dict[str, bool] = {}
     if dist.get_rank() == 0:
+        streamed_bytes = (out / "bucketed.ckpt").read_bytes()
+        same = {name: (out / f"{name}.ckpt").read_bytes() == streamed_bytes for name in ("whole", "hooked")}
+        with fsspec.open(MEMORY_URL, "rb") as f:
+            same["memory-url"] = f.read() == streamed_bytes
         bucketed = torch.load(out / "bucketed.ckpt", weights_only=True)
         plain = torch.load(out / "torch.ckpt", weights_only=True)
         found = differences(bucketed, plain)
+        # AsyncCheckpointIO writes its staged copy (bytes of its own): the same checkpoint once loaded.
+        same["async"] = differences(torch.load(out / "async.ckpt", weights_only=True), bucketed) == []
+        hooked_sum = float(sum(v.double().sum() for v in bucketed["state_dict"].values()))
+        same["hook_saw_values"] = saves["hooked"]["seen"].get("sum") == hooked_sum
     return {
         "case": "plugin-checkpoint",
         "differences": found,
-        "sent": module.saves["bucketed"],
-        **module.saves,
+        "same_bytes": same,
+        "sent": saves["bucketed"]["sent"],
+        "saves": saves,
+        "memory": memory,
+        "resumed": resumed,
+        "bucketed": saves["bucketed"]["sent"],
+        "torch": saves["torch"]["sent"],
     }
 
 

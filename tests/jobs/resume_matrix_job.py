@@ -252,10 +252,14 @@ class Scenario:
         written = self.write_checkpoints()
         (self.folder / "written.json").write_text(json.dumps(written))
         for writer, path in written.items():
-            if self.args.resume_only and writer not in self.args.resume_only.split(","):
+            if not self.wanted(writer):
                 continue
             if path is not None and os.path.exists(path):
                 self.fit(self.trainer([Recorder(self.folder / writer)]), seed=1234, ckpt_path=path)
+
+    def wanted(self, writer: str) -> bool:
+        """Whether the run resumes from ``writer``'s checkpoint (``--resume-only``; all by default)."""
+        return not self.args.resume_only or writer in self.args.resume_only.split(",")
 
     def write_checkpoints(self) -> dict[str, Optional[str]]:
         """Every way of writing a checkpoint; the path each wrote (``None`` where none was written)."""
@@ -301,6 +305,8 @@ class Scenario:
         }
 
         def after(name: str, trainer: Trainer) -> None:
+            if not (self.wanted(name) or (name == "after_preemption" and self.wanted("preemption_signal"))):
+                return
             path = str(f / f"{name}.ckpt")
             try:
                 self.fit(trainer, seed=7)
@@ -343,6 +349,14 @@ def _first(folder: Path) -> Optional[str]:
     return str(min(found, key=lambda p: int("".join(ch for ch in p.stem if ch.isdigit()) or 0)))
 
 
+def _resume_as_before() -> None:
+    """DDP's resumed wrapper in its first buckets, and FSDP's checkpoints without the cycle's gradients."""
+    from trainer_core.plugins import FSDPPlugin, ddp
+
+    ddp._PIN_BUCKETS = False
+    FSDPPlugin.accumulated_gradients = lambda self, module: {}  # type: ignore[method-assign]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -356,8 +370,16 @@ def main() -> None:
     parser.add_argument(
         "--resume-only", default="", help="comma-separated writers to resume from (default: all)"
     )
+    parser.add_argument(
+        "--as-before",
+        action="store_true",
+        help="resume as before exactness at every world size (benchmarks/resume_exact.py measures the change): "
+        "DDP in its own first buckets, FSDP without the gradients of an unfinished accumulation cycle",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.as_before:
+        _resume_as_before()
     for spec in args.scenarios.split(","):
         loader, dropout, scheduler, accumulate = spec.split(":")
         Scenario(args, loader, dropout == "1", scheduler, int(accumulate)).run()

@@ -13,7 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from rank_jobs import assert_tensors_close, run_case
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from trainer_core.errors import MisconfigurationException
 from trainer_core.plugins import DistributedCheckpointIO, FSDPPlugin, TorchCheckpointIO
@@ -107,4 +109,9 @@ def test_hybrid_shard_must_cover_the_world() -> None:
 def test_checkpoint_weights_load_after_setup_makes_the_shards() -> None:
     assert FSDPPlugin.restore_checkpoint_after_setup is True
     assert FSDPPlugin.optimizer_in_backward_unsupported is None
-    assert FSDPPlugin.mid_accumulation_gradients_unsaved is not None
+    # The cycle's unsharded gradients are saved; not with a reduce_dtype of FSDP's own (no public API reads it).
+    assert FSDPPlugin().mid_accumulation_gradients_unsaved is None
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert "reduce_dtype=torch.float32" in str(
+        FSDPPlugin(mixed_precision=policy).mid_accumulation_gradients_unsaved
+    )

@@ -10,6 +10,12 @@ bucket (or one row, where a row is larger); ranks other than 0 get ``{}``, as fr
 ``FSDPPlugin(state_dict_type="full")`` writes the same file through either path. That such a file
 resumes bit for bit is the resume matrix's ``fsdp_full`` column (``tests/checkpoint/test_resume_matrix.py``).
 
+The streamed full save (issue 32): the same bytes as a save that gathers the whole state first, on
+local disk and on an object store's path; a callback's ``on_save_checkpoint`` still gets the real
+tensors (that save is not streamed); a write failing part-way raises on rank 0, lets the other ranks
+finish and keeps the previous file; a fit resumed from the streamed file ends with the weights of a
+fit that went straight on; rank 0's peak memory rises by far less than the state it writes.
+
 One launch of ``tests/jobs/fsdp_gather_job.py`` at 2 ranks (about 10 s); 3 ranks with ``FULL_MATRIX=1``.
 """
 
@@ -81,12 +87,24 @@ def _launch(tmp_path: Path, world: int) -> list[list[dict[str, Any]]]:
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
+_LAUNCHED: dict[int, list[list[dict[str, Any]]]] = {}
+
+
+def _ranks(factory: pytest.TempPathFactory, world: int) -> list[list[dict[str, Any]]]:
+    """The job's results at ``world`` ranks: one launch shared by this module's tests."""
+    if world not in _LAUNCHED:
+        _LAUNCHED[world] = _launch(factory.mktemp(f"fsdp-gather-{world}"), world)
+    return _LAUNCHED[world]
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     "world", [2, pytest.param(3, marks=pytest.mark.skipif(not FULL, reason="FULL_MATRIX=1"))]
 )
-def test_bucketed_full_state_is_torchs_full_state(tmp_path: Path, world: int) -> None:
-    ranks = _launch(tmp_path, world)
+def test_bucketed_full_state_is_torchs_full_state(
+    tmp_path_factory: pytest.TempPathFactory, world: int
+) -> None:
+    ranks = _ranks(tmp_path_factory, world)
     expected_tensors = {
         "adam-model": MODEL_TENSORS,
         "sgd-model": MODEL_TENSORS,
@@ -124,3 +142,49 @@ def test_bucketed_full_state_is_torchs_full_state(tmp_path: Path, world: int) ->
     plugin = ranks[0][-1]
     assert plugin["case"] == "plugin-checkpoint"
     assert len(plugin["bucketed"]) == 2 and plugin["torch"] == []
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "world", [2, pytest.param(3, marks=pytest.mark.skipif(not FULL, reason="FULL_MATRIX=1"))]
+)
+def test_streamed_full_save(tmp_path_factory: pytest.TempPathFactory, world: int) -> None:
+    """A full save gathered while rank 0 writes it: the file of the save that gathers first, a bounded peak."""
+    plugin = [results[-1] for results in _ranks(tmp_path_factory, world)]
+    first = plugin[0]
+    saves = first["saves"]
+    # Streamed only where no hook reads the dict; the same collectives either way, on every rank.
+    for rank, results in enumerate(plugin):
+        streamed = {name: save["streamed"] for name, save in results["saves"].items()}
+        assert streamed == {
+            "bucketed": 1,
+            "whole": 0,
+            "torch": 0,
+            "hooked": 0,
+            "memory-url": 1,
+            "async": 0,  # AsyncCheckpointIO stages the whole dict: gathered first
+            "failed": 1,
+        }, rank
+        assert results["saves"]["bucketed"]["sent"] == results["saves"]["whole"]["sent"], rank
+    # Byte for byte the file written after a whole gather (through AsyncCheckpointIO, whose staged copy has
+    # bytes of its own, the same checkpoint once loaded); a hook reading the dict got real tensors.
+    assert first["same_bytes"] == {
+        "whole": True,
+        "hooked": True,
+        "async": True,
+        "memory-url": True,
+        "hook_saw_values": True,
+    }
+    assert saves["hooked"]["seen"]["all_tensors"]
+    assert first["differences"] == []  # and torch.load reads it as torch's own gather's file
+    # A write failing part-way: rank 0 reports it, the other ranks finish, the previous file stays.
+    assert "No space left on device" in saves["failed"]["error"]
+    assert all(results["saves"]["failed"]["previous_intact"] for results in plugin)
+    assert [results["saves"]["failed"]["error"] for results in plugin[1:]] == [""] * (world - 1)
+    # Resumed from the streamed file, two more steps give the weights of four steps in one run.
+    assert first["resumed"] == []
+    # Rank 0's peak while saving: about a bucket and a tensor (4 MiB each) streamed, the whole state otherwise.
+    memory = first["memory"]
+    assert memory["same_bytes"]
+    assert memory["whole"] > 0.8 * memory["state_bytes"], memory  # the measurement sees a whole state
+    assert memory["streamed"] < 0.4 * memory["state_bytes"], memory

@@ -50,7 +50,7 @@ from trainer_core.checkpoint.format import (
 )
 from trainer_core.checkpoint.rng import collect_rng_states
 from trainer_core.utilities import rank_zero_warn
-from trainer_core.utilities.compiled_names import plain_name, plain_named_parameters
+from trainer_core.utilities.compiled_names import plain_name
 
 if TYPE_CHECKING:
     from trainer_core.run_state import CheckpointParts, CheckpointPlugin
@@ -152,16 +152,8 @@ def rank_loop_state(parts: CheckpointParts) -> dict[str, Any]:
     elif mid_cycle:
         # Saved between two optimizer steps: keep the gradients accumulated so far (each rank's own
         # under data parallelism, where they are synchronised only at the step; a shard under FSDP).
-        state[LOOP_GRADS] = {
-            name: _local_tensor(p.grad).detach().clone()
-            for name, p in plain_named_parameters(module)
-            if p.grad is not None
-        }
+        state[LOOP_GRADS] = plugin.accumulated_gradients(module)
     return state
-
-
-def _local_tensor(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def frozen_parameter_names(module: torch.nn.Module, state_dict: dict[str, Any]) -> list[str]:
@@ -176,16 +168,34 @@ def frozen_parameter_names(module: torch.nn.Module, state_dict: dict[str, Any]) 
     return [name for name in state_dict if name in frozen] if frozen else []
 
 
+def _overrides(obj: Any, hook: str) -> bool:
+    """Whether ``obj``'s class, or a class between it and the base that declares ``hook``, defines ``hook``."""
+    return sum(hook in vars(cls) for cls in type(obj).__mro__) > 1
+
+
+def hooks_read_checkpoint(parts: CheckpointParts, weights_only: bool) -> bool:
+    """Whether a user hook will see the checkpoint dict: the module's or a callback's ``on_save_checkpoint``."""
+    if _overrides(parts.module, "on_save_checkpoint"):
+        return True
+    return not weights_only and any(_overrides(cb, "on_save_checkpoint") for cb in parts.callbacks)
+
+
 def dump_checkpoint(parts: CheckpointParts, weights_only: bool = False) -> dict[str, Any]:
     """The checkpoint dict of the run ``parts`` describe, on every rank (sharded parts filled in by the plugin).
 
     Keys in the contract's order; the module's ``on_save_checkpoint`` runs last (after the callbacks'
-    unless ``weights_only``) and may edit the dict.
+    unless ``weights_only``) and may edit the dict. When no such hook is overridden, a plugin that
+    can gathers its full state while the file is written (``start_streamed_save``, FSDP's full
+    checkpoint): the dict then holds placeholders for those tensors, filled only by the plugin's
+    ``save_checkpoint``; every hook that reads the dict gets the real tensors.
     """
     module = parts.module
     plugin = parts.plugin
     progress = parts.progress
     assert module is not None
+    start_streamed_save = getattr(plugin, "start_streamed_save", None)
+    if start_streamed_save is not None and not hooks_read_checkpoint(parts, weights_only):
+        start_streamed_save()
     checkpoint: dict[str, Any] = {
         KEY_FORMAT_VERSION: FORMAT_VERSION,
         KEY_VERSION: __version__,

@@ -41,13 +41,16 @@ class LazyTensor:
     """A tensor not read yet: its ``dtype`` and ``shape``, and ``read()`` that returns it (on CPU).
 
     ``name`` says where it comes from, for errors. Equality is identity: two lazy tensors are two
-    storages in the written file, as two tensors read from a sharded folder are.
+    storages in the written file, as two tensors read from a sharded folder are. ``release``, if
+    given, gets the tensor back once its record is written, for a reader that reuses its memory;
+    otherwise it is freed and the memory returned to the system (:func:`release_freed_memory`).
     """
 
     dtype: torch.dtype
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]
     name: str = ""
+    release: Optional[Callable[[torch.Tensor], None]] = None
 
     def numel(self) -> int:
         count = 1
@@ -200,8 +203,12 @@ def write_torch_zip(obj: Any, file: Any) -> None:
             if isinstance(source, LazyTensor):
                 tensor = read_exact(source)
                 zip_file.write_record(f"data/{key}", tensor.untyped_storage(), tensor.nbytes)
-                del tensor
-                release_freed_memory(source.nbytes)
+                if source.release is not None:
+                    source.release(tensor)
+                    del tensor
+                else:
+                    del tensor
+                    release_freed_memory(source.nbytes)
             else:
                 storage = source if source.device.type == "cpu" else source.cpu()
                 zip_file.write_record(f"data/{key}", storage, storage.nbytes())
@@ -389,3 +396,13 @@ def iter_lazy_tensors(obj: Any) -> Iterator[LazyTensor]:
     elif isinstance(obj, (list, tuple)):
         for value in obj:
             yield from iter_lazy_tensors(value)
+
+
+def save_torch_file(obj: Any, file: Any) -> None:
+    """``torch.save(obj, file)``; where ``obj`` holds a :class:`LazyTensor`, :func:`write_torch_zip`, which
+    writes the same bytes reading each lazy tensor only when its record is written (a full FSDP
+    checkpoint gathered while it is written, say)."""
+    if next(iter_lazy_tensors(obj), None) is None:
+        torch.save(obj, file)
+    else:
+        write_torch_zip(obj, file)

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-from lightning_utilities.core.overrides import is_overridden
 
 from trainer_core.callback_queries import monitoring_callbacks
 from trainer_core.checkpoint.restore import (
@@ -42,7 +41,7 @@ from trainer_core.module import LightningModule
 from trainer_core.profilers.base import profiled, profiled_iter
 from trainer_core.utilities import rank_zero_warn
 from trainer_core.utilities.combined_loader import CombinedLoader, is_stateful
-from trainer_core.utilities.compiled_names import plain_named_parameters
+from trainer_core.utilities.overrides import is_overridden
 
 if TYPE_CHECKING:
     from trainer_core.run_state import RunState
@@ -509,7 +508,7 @@ class FitLoop:
         apply_rng_states(resume_rng)
         grads = resume.grads
         if grads:
-            _put_back_gradients(t, grads)
+            t.plugin.put_back_accumulated_gradients(t.lightning_module, grads)
         resume.grads = None
         return iterator
 
@@ -647,22 +646,3 @@ def _epoch_of_stateful_loader(loader: Any) -> Iterator[Any]:
         if first is _EXHAUSTED:
             return iter(())
     return itertools.chain((first,), iterator)
-
-
-def _put_back_gradients(trainer: RunState, grads: dict[str, Any]) -> None:
-    """The gradients of the saved run's unfinished accumulation cycle, by parameter name (plain, as saved)."""
-    for name, param in plain_named_parameters(trainer.lightning_module):
-        if name in grads:
-            grad = grads[name].to(param.device)
-            if hasattr(param, "device_mesh"):  # a DTensor shard (FSDP): the gradient is this rank's shard
-                from torch.distributed.tensor import DTensor
-
-                grad = DTensor.from_local(
-                    grad,
-                    param.device_mesh,
-                    param.placements,
-                    run_check=False,
-                    shape=param.shape,
-                    stride=param.stride(),
-                )
-            param.grad = grad
