@@ -12,17 +12,67 @@ imports a job's model from it to compute the reference. Both folders are on ``sy
 
 from __future__ import annotations
 
+import multiprocessing.spawn
 import os
+import shutil
+import signal
+import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import warm_python
 from launch import LAUNCH_VARS
 from s3_server import S3Server, run_s3_server
 
 #: What ``seed_everything`` leaves in the environment: a program a later test starts (a LightningCLI
 #: program seeds itself from PL_GLOBAL_SEED) would otherwise take an earlier test's seed.
 _SEED_VARS = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+def _runs_tests(config: pytest.Config) -> bool:
+    """This process runs tests: an xdist worker, or a run without workers (not the xdist controller)."""
+    return "PYTEST_XDIST_WORKER" in os.environ or not getattr(config.option, "numprocesses", None)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Start this worker's warm interpreter (``helpers/warm_python.py``) while the tests are collected.
+
+    Child processes (job scripts, their ranks, CLI programs) then fork from an interpreter that imported
+    torch once, instead of importing it again: that was most of the suite's time. ``WARM_PYTHON=0`` turns
+    it off; a child it could not start as a fresh interpreter would (odd interpreter options, another
+    ``TORCH_*`` setting, ...) starts cold by itself.
+    """
+    if os.environ.get("WARM_PYTHON") == "0" or not _runs_tests(config) or sys.platform != "linux":
+        return
+    folder = Path(tempfile.mkdtemp(prefix="warm-python-"))
+    config.stash[_WARM] = (folder, warm_python.start(folder))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    warm = session.config.stash.get(_WARM, None)
+    if warm is not None:
+        shim = warm[1]()
+        if shim is not None:
+            sys.executable = shim
+            multiprocessing.spawn.set_executable(shim)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    warm = config.stash.get(_WARM, None)
+    if warm is not None:
+        sys.executable = warm_python.REAL_EXECUTABLE
+        try:
+            os.killpg(warm[1].server.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        warm[1].server.wait()
+        shutil.rmtree(warm[0], ignore_errors=True)
+
+
+_WARM = pytest.StashKey[tuple]()
 
 
 @pytest.fixture(autouse=True)

@@ -33,6 +33,7 @@ from trainer_core.loggers.csv_logger import CSVLogger
 from trainer_core.loggers.mlflow import MLFlowLogger
 
 pytest.importorskip("mlflow", reason="MLFlowLogger needs mlflow (extra 'mlflow')")
+import warm_python
 from boring import random_data
 from launch import JOBS, job_env
 from mlflow.tracking import MlflowClient
@@ -51,7 +52,7 @@ def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``http://127.0.0.1:<port>`` of an ``mlflow server`` started for this file, stopped after it."""
     root = tmp_path_factory.mktemp("mlflow_server")
     port = _free_port()
-    mlflow_cli = Path(sys.executable).with_name("mlflow")
+    mlflow_cli = Path(warm_python.REAL_EXECUTABLE).with_name("mlflow")
     command = [str(mlflow_cli)] if mlflow_cli.exists() else [sys.executable, "-m", "mlflow"]
     log = open(root / "server.log", "w")
     server = subprocess.Popen(
