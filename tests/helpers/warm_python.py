@@ -14,7 +14,7 @@ import cold. NumPy's global generator is reseeded from the OS as a fresh import 
 ``random`` reseeds itself after a fork). Whatever a warm child could not reproduce runs cold: interpreter
 options other than ``-c``, ``-m``, ``-u``, ``-B``, a different value of an environment variable read while
 torch or the interpreter starts (``PYTHON*`` other than ``PYTHONPATH``/``PYTHONUNBUFFERED``/
-``PYTHONDONTWRITEBYTECODE``, ``TORCH*``, ``MKL``/``OMP``/``KMP`` settings other than the thread count, ...),
+``PYTHONDONTWRITEBYTECODE``, ``TORCH_*``, ``MKL``/``OMP`` settings other than the thread count, ...),
 and ``WARM_PYTHON=0``.
 """
 
@@ -42,13 +42,14 @@ APPLIED_AFTER_FORK = {
     "MKL_NUM_THREADS",
 }
 #: Prefixes of the variables read while the interpreter or torch starts: a child that changes one runs cold.
+#: (``TORCHINDUCTOR_*``, ``TORCHDYNAMO_*``, ``KMP_*`` and most ``PYTORCH_*`` are read later or not at all
+#: by torch's CPU build, so the child reads them itself; libraries the tests import set some of them.)
 READ_AT_START = (
     "PYTHON",
-    "TORCH",
-    "PYTORCH",
+    "TORCH_",
+    "PYTORCH_JIT",
     "OMP_",
     "MKL_",
-    "KMP_",
     "GOMP_",
     "OPENBLAS",
     "NUMPY",
@@ -147,6 +148,7 @@ class Server:
                 received.frombytes(payload[: len(payload) - len(payload) % received.itemsize])
         request = json.loads(data)
         plan = _plan(request["argv"], request["env"], request["cwd"])
+        _note(plan is not None, request["argv"])
         if plan is None:
             for fd in received:
                 os.close(fd)
@@ -202,6 +204,14 @@ class Server:
         self.listener.close()
         for conn in self.children:
             conn.close()
+
+
+def _note(warm: bool, argv: list[str]) -> None:
+    """With ``WARM_PYTHON_LOG=file``, one line per start (``warm``/``cold`` and the arguments): how many ran warm."""
+    log = os.environ.get("WARM_PYTHON_LOG")
+    if log:
+        with open(log, "a") as out:
+            out.write(f"{'warm' if warm else 'cold'} {' '.join(argv)[:200]}\n")
 
 
 def _arrange_descriptors(received: list[int], targets: list[int]) -> None:
@@ -309,8 +319,7 @@ def _run(job: dict[str, Any]) -> int:
     sys.modules["__main__"] = main
     try:
         if job["kind"] == "script":
-            sys.modules["__main__"] = main
-            runpy.run_path(os.path.abspath(job["target"]), run_name="__main__")
+            _run_script(main, os.path.abspath(job["target"]))
         elif job["kind"] == "module":
             runpy._run_module_as_main(job["target"], alter_argv=True)  # what ``python -m`` calls
         else:
@@ -318,13 +327,26 @@ def _run(job: dict[str, Any]) -> int:
     except SystemExit as stop:
         return _exit_code(stop.code)
     except KeyboardInterrupt as interrupted:
-        sys.excepthook(type(interrupted), interrupted, _trimmed(interrupted.__traceback__))
+        interrupted.__traceback__ = _trimmed(interrupted.__traceback__)  # the hook prints the exception's own
+        sys.excepthook(type(interrupted), interrupted, interrupted.__traceback__)
         _die_by_sigint_at_exit()
         return 130
     except BaseException as error:
-        sys.excepthook(type(error), error, _trimmed(error.__traceback__))
+        error.__traceback__ = _trimmed(error.__traceback__)
+        sys.excepthook(type(error), error, error.__traceback__)
         return 1
     return 0
+
+
+def _run_script(main: Any, path: str) -> None:
+    """What ``python path`` does: ``sys.argv[0]`` as given, ``__file__`` absolute, the source's own loader."""
+    from importlib.machinery import SourceFileLoader
+
+    with open(path, "rb") as source:
+        code = compile(source.read(), path, "exec")
+    main.__dict__.update(__file__=path, __cached__=None, __loader__=SourceFileLoader("__main__", path))
+    main.__dict__.update(__package__=None, __spec__=None)
+    exec(code, main.__dict__)
 
 
 def _exit_code(code: Any) -> int:
