@@ -18,8 +18,9 @@ $(VENV)/.installed-%: setup.py
 demo: $(VENV)/.installed-demo
 	$(PY) examples/digits.py --devices 2
 
-# Two workers, one test file each at a time (module-scoped fixtures stay in one process); most tests
-# wait on child processes importing torch, so two run side by side on two cores. TEST_WORKERS=0: one process.
+# Two workers, one test file each at a time (module-scoped fixtures stay in one process). Child processes
+# fork from a warm interpreter that imported torch once (tests/helpers/warm_python.py) instead of importing
+# it again; WARM_PYTHON=0 starts each cold, as a user's would. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -23,6 +22,7 @@ from typing import Any, Optional
 import fsspec
 import pytest
 import torch
+import warm_python
 
 from trainer_core.checkpoint import (
     FORMAT_VERSION,
@@ -400,7 +400,9 @@ from trainer_core.plugins.io import DistributedCheckpointIO as same
 
 assert same is DistributedCheckpointIO and "torch.distributed.checkpoint" in sys.modules
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [warm_python.REAL_EXECUTABLE, "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
 
 

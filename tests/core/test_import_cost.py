@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+import warm_python
 from launch import job_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +78,7 @@ print(json.dumps(sorted(m for m in new if any(m == h or m.startswith(h + ".") fo
 
 def _heavy_loaded_by(statement: str) -> list[str]:
     result = subprocess.run(
-        [sys.executable, "-c", _PROBE, statement, json.dumps(HEAVY)],
+        [warm_python.REAL_EXECUTABLE, "-c", _PROBE, statement, json.dumps(HEAVY)],
         capture_output=True,
         text=True,
         timeout=180,

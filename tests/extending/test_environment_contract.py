@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import warm_python
 from boring import BoringModel, quiet_trainer, random_loader
 from launch import LAUNCH_VARS, ROOT, job_env
 
@@ -76,8 +76,9 @@ def _start(tmp_path: Path, script: Path, **variables: str) -> subprocess.Popen:
     env = job_env()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "helpers"), env.get("PYTHONPATH", "")])
     env.update(variables)
+    # A fresh interpreter (not the tests' warm one): the tests compare the pids the scripts record with these.
     return subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path / "out")],
+        [warm_python.REAL_EXECUTABLE, str(script), str(tmp_path / "out")],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,

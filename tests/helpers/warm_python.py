@@ -9,8 +9,9 @@ A child is the process a fresh interpreter would have been: ``__main__`` runs th
 module, or ``-c`` code) with its arguments, environment, working folder, ``sys.path`` (``PYTHONPATH``
 included), standard streams and inherited descriptors; it exits with the interpreter's exit code and
 shutdown (threads joined, ``atexit``, streams flushed), and its traceback shows the script's frames only.
-Only ``torch`` (and what ``import torch`` loads) is preloaded, so what a program imports is what it would
-import cold. NumPy's global generator is reseeded from the OS as a fresh import would seed it (Python's
+Only ``torch`` and ``torch._dynamo`` (which building any torch optimizer imports) are preloaded, with what
+they load; neither draws from a random generator. A test about what a program imports starts
+``REAL_EXECUTABLE``, a truly fresh interpreter. NumPy's global generator is reseeded from the OS as a fresh import would seed it (Python's
 ``random`` reseeds itself after a fork). Whatever a warm child could not reproduce runs cold: interpreter
 options other than ``-c``, ``-m``, ``-u``, ``-B``, a different value of an environment variable read while
 torch or the interpreter starts (``PYTHON*`` other than ``PYTHONPATH``/``PYTHONUNBUFFERED``/
@@ -42,25 +43,19 @@ APPLIED_AFTER_FORK = {
     "MKL_NUM_THREADS",
 }
 #: Prefixes of the variables read while the interpreter or torch starts: a child that changes one runs cold.
-#: (``TORCHINDUCTOR_*``, ``TORCHDYNAMO_*``, ``KMP_*`` and most ``PYTORCH_*`` are read later or not at all
-#: by torch's CPU build, so the child reads them itself; libraries the tests import set some of them.)
+#: (``KMP_*`` and most ``PYTORCH_*`` are read later or not at all by torch's CPU build, so the child reads
+#: them itself; libraries the tests import set some of them.)
 READ_AT_START = (
-    "PYTHON",
-    "TORCH_",
-    "PYTORCH_JIT",
-    "OMP_",
-    "MKL_",
-    "GOMP_",
-    "OPENBLAS",
-    "NUMPY",
-    "LD_",
-    "MALLOC",
+    *("PYTHON", "TORCH_", "TORCHDYNAMO", "TORCHINDUCTOR", "TORCHFUNCTORCH", "PYTORCH_JIT"),
+    *("OMP_", "MKL_", "GOMP_", "OPENBLAS", "NUMPY", "LD_", "MALLOC"),
 )
 
 
 def _plan(argv: list[str], env: dict[str, str], cwd: str) -> Optional[dict[str, Any]]:
     """What the child runs (``kind``: script, module or code), or None where only a cold start is faithful."""
     for name in set(env) | set(os.environ):
+        if name in SET_BY_PRELOAD and env.get(name) in (None, SET_BY_PRELOAD[name]):
+            continue  # the child gets the preload's value, as its own import would have set it
         if name.startswith(READ_AT_START) and env.get(name) != os.environ.get(name):
             if name not in APPLIED_AFTER_FORK or name not in env:
                 return None  # read before the fork, or a thread count the server's default cannot give back
@@ -211,7 +206,7 @@ def _note(warm: bool, argv: list[str]) -> None:
     log = os.environ.get("WARM_PYTHON_LOG")
     if log:
         with open(log, "a") as out:
-            out.write(f"{'warm' if warm else 'cold'} {' '.join(argv)[:200]}\n")
+            out.write(f"{'warm' if warm else 'cold'} {' '.join(argv)[:200]!r}\n")
 
 
 def _arrange_descriptors(received: list[int], targets: list[int]) -> None:
@@ -272,6 +267,8 @@ def _become(job: dict[str, Any]) -> None:
     os.chdir(job["cwd"])
     os.environ.clear()
     os.environ.update(job["env"])
+    for name, value in SET_BY_PRELOAD.items():
+        os.environ.setdefault(name, value)
     _standard_streams(job["unbuffered"])
     sys.dont_write_bytecode = job["no_bytecode"]
     sys.argv = list(job["argv"])
@@ -370,13 +367,19 @@ def _die_by_sigint_at_exit() -> None:
     atexit.register(die)
 
 
+#: What importing torch and torch._dynamo put in the environment (``TORCHINDUCTOR_CACHE_DIR``).
+SET_BY_PRELOAD: dict[str, str] = {}
 #: ``sys.path`` after the interpreter's own start, without the first entry and ``PYTHONPATH``.
 BASE_PATH: list[str] = []
 
 
 def _serve_forever(socket_path: str, shim: str) -> None:
     global BASE_PATH
-    import torch  # noqa: F401 - the point of it all
+    before = dict(os.environ)
+    import torch
+    import torch._dynamo  # noqa: F401 - building any torch optimizer imports it: about as long as torch again
+
+    SET_BY_PRELOAD.update({k: v for k, v in os.environ.items() if before.get(k) != v})
 
     own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     BASE_PATH = [p for p in sys.path[1:] if p not in own]
