@@ -8,10 +8,10 @@ call pays. Only the base class loads with the package.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainer_core.callbacks.base import Callback
+from trainer_core.utilities.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from trainer_core.callbacks.batch_size_finder import BatchSizeFinder
@@ -95,12 +95,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'trainer_core.callbacks' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"trainer_core.callbacks.{module}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

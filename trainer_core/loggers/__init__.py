@@ -7,10 +7,10 @@ for the loggers the run uses.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainer_core.loggers.base import FolderLogger, Logger
+from trainer_core.utilities.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from trainer_core.loggers.csv_logger import CSVLogger
@@ -38,12 +38,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'trainer_core.loggers' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"trainer_core.loggers.{module}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
