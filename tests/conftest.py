@@ -85,12 +85,25 @@ def no_launch_variables_leak() -> Iterator[None]:
     with another test's seed).
     """
     before = {name: os.environ.get(name) for name in (*LAUNCH_VARS, *_SEED_VARS)}
+    group_before = _default_group_started()
     yield
+    if _default_group_started() and not group_before:
+        # An in-process run of a distributed plugin (FSDP at one rank, say) starts a one-rank group
+        # and, as in Lightning, leaves it; a later test starting its own group would fail (CI saw
+        # "trying to initialize the default process group twice" in another module's fixture).
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     for name, value in before.items():
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+def _default_group_started() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 @pytest.fixture
