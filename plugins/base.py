@@ -524,6 +524,21 @@ class TrainingTypePlugin(_RefusesUnknownArguments):
         the plugin decides what still applies).
         """
 
+    #: Whether the last optimizer step took effect. A plugin whose steps can be voted down (a quorum of
+    #: replica groups, ``"ddp_ft"``) sets it after each step and :attr:`votes_on_steps`; the loop then
+    #: counts, and steps the schedulers for, committed steps only.
+    step_committed = True
+    votes_on_steps = False
+
+    def checkpoint_from_peer(self) -> Optional[tuple[dict[str, Any], str]]:
+        """A checkpoint to continue from that another live process sent, with where it came from, or ``None``.
+
+        Called once by ``fit`` after any ``ckpt_path`` is restored and before the first batch; the loop
+        restores what it returns as it restores a file (``"ddp_ft"``: a group that joins a running job
+        receives a live group's state). The base has none.
+        """
+        return None
+
     def accumulated_gradients(self, module: nn.Module) -> dict[str, Tensor]:
         """This rank's gradients of an unfinished accumulation cycle, by plain parameter name (copies).
 

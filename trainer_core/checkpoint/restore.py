@@ -162,6 +162,7 @@ def restore_module_and_callbacks(
     ckpt_path: Union[str, os.PathLike],
     weights_only: bool = False,
     optimizers_ready: bool = False,
+    checkpoint: Optional[dict[str, Any]] = None,
 ) -> Optional[PendingRestore]:
     """The first step of a restore, before ``configure_optimizers`` (Lightning's order): the module, then callbacks.
 
@@ -172,16 +173,21 @@ def restore_module_and_callbacks(
     a file that does not fit leaves the model as it was. Then the weights load, and (unless
     ``weights_only``) the data module's state and the callbacks' ``on_load_checkpoint`` and
     ``load_state_dict``. Returns what :func:`restore_training_state` finishes, or ``None`` when
-    ``ckpt_path="last"`` found nothing.
+    ``ckpt_path="last"`` found nothing. ``checkpoint``: one already in memory (a live peer's, which
+    ``ckpt_path`` then only names in messages).
     """
-    path = resolve_ckpt_path(parts, ckpt_path)
-    if path is None:
-        return None
     module = parts.module
     plugin = parts.plugin
     assert module is not None
-    with trusted_unpickling(parts.trusted_checkpoint):
-        checkpoint = plugin.load_checkpoint(path)
+    if checkpoint is not None:
+        path = os.fspath(ckpt_path)
+    else:
+        resolved = resolve_ckpt_path(parts, ckpt_path)
+        if resolved is None:
+            return None
+        path = resolved
+        with trusted_unpickling(parts.trusted_checkpoint):
+            checkpoint = plugin.load_checkpoint(path)
     if is_lightning_checkpoint(checkpoint):  # converted to this format (checkpoint/lightning.py)
         optimizers = plugin.optimizers if optimizers_ready and not weights_only else None
         checkpoint = from_lightning(checkpoint, module, path, optimizers)
@@ -270,6 +276,40 @@ def restore_training_state(parts: CheckpointParts, pending: PendingRestore) -> N
     _take_pending_plateau_steps(parts, checkpoint[KEY_LOOPS])
     _restore_precision(plugin.precision, checkpoint)
     _restore_loops(parts.progress, plugin, checkpoint)
+
+
+def restore_between_steps(parts: CheckpointParts, checkpoint: dict[str, Any], source: str) -> None:
+    """A live peer's state, taken between two optimizer steps of a running loop (``"ddp_ft"``'s heal).
+
+    What moves with the steps: the weights, the optimizers, the schedulers, the loss scaler, the
+    plugin's state and the step count. The loop position stays: the groups draw their batches in
+    step with one another, so this process is at the peer's batch already. Every part is checked
+    before any loads.
+    """
+    plugin = parts.plugin
+    module = parts.module
+    assert module is not None
+    validate_checkpoint(checkpoint, source, for_resume=True)
+    _plain_names(checkpoint)
+    check_state_dict_matches(
+        plain_state_dict(module.state_dict()),
+        checkpoint[KEY_STATE_DICT],
+        source,
+        strict=module.strict_loading,
+    )
+    scheduler_states = _scheduler_states_for(
+        checkpoint[KEY_LR_SCHEDULERS], len(plugin.lr_scheduler_configs), source
+    )
+    optimizer_states = _optimizer_states_for(plugin, module, checkpoint[KEY_OPTIMIZER_STATES], source)
+    plugin.load_model_state_dict(checkpoint[KEY_STATE_DICT], strict=module.strict_loading)
+    for opt, state in zip(plugin.optimizers, optimizer_states):
+        plugin.load_optimizer_state_dict(opt, state)
+    for config, state in zip(plugin.lr_scheduler_configs, scheduler_states):
+        config.scheduler.load_state_dict(state)
+    if KEY_PLUGIN_STATE in checkpoint:
+        plugin.load_plugin_state_dict(checkpoint[KEY_PLUGIN_STATE])
+    _restore_precision(plugin.precision, checkpoint)
+    parts.progress.global_step = checkpoint[KEY_GLOBAL_STEP]
 
 
 def _restore_precision(precision: Precision, checkpoint: dict[str, Any]) -> None:

@@ -93,6 +93,15 @@ class FitLoop:
                 pending = restore_module_and_callbacks(parts, self.ckpt_path, optimizers_ready=True)
             if pending is not None:
                 restore_training_state(parts, pending)
+        peer = t.plugin.checkpoint_from_peer()
+        if peer is not None:
+            checkpoint, source = peer
+            parts = t.checkpoint_parts()
+            pending = restore_module_and_callbacks(
+                parts, source, optimizers_ready=True, checkpoint=checkpoint
+            )
+            assert pending is not None
+            restore_training_state(parts, pending)
 
         sanity = (
             t.num_sanity_val_steps != 0

@@ -53,6 +53,7 @@ class TrainingStep:
         "optimizer",
         "output",
         "plain_backward",
+        "plugin",
         "plugin_backward",
         "plugin_optimizer_step",
         "precision",
@@ -63,6 +64,7 @@ class TrainingStep:
         "trainer",
         "training_step",
         "update",
+        "votes",
         "want_outputs",
         "zero_grad_hooks",
     )
@@ -98,6 +100,8 @@ class TrainingStep:
         self.custom_zero_grad = hooks.optimizer_zero_grad
         self.want_outputs = bool(hooks.on_train_batch_end)
         self.no_sync = plugin.no_backward_sync
+        self.plugin = plugin
+        self.votes = plugin.votes_on_steps
         configs = plugin.lr_scheduler_configs
         self.step_schedulers = any(c.interval == "step" and not c.reduce_on_plateau for c in configs)
         self.epoch_schedulers = any(c.interval == "epoch" and not c.reduce_on_plateau for c in configs)
@@ -187,6 +191,10 @@ class TrainingStep:
         acc = self.acc
         if acc == 1 or is_last or (batch_idx + 1) % acc == 0:
             self.update()
+            if self.votes and not self.plugin.step_committed:
+                return (
+                    self.output
+                )  # voted down (a replica group failed): not a step, for the schedulers neither
             self.progress.global_step += 1
             if self.step_schedulers:
                 update_lr_schedulers(self.trainer, "step", plateau=False)
