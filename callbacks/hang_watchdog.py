@@ -166,6 +166,20 @@ def _stderr_fd() -> int:
         return 2
 
 
+def _lockstep_world_size(world_size: int) -> int:
+    """The processes that share this one's process group and store: the world, or one.
+
+    Under ``"ddp_ft"`` each replica group is a process group of its own, and a group that hangs
+    must end alone (the others drop it from their quorum once it is gone), so each process
+    watches itself.
+    """
+    import torch.distributed as dist
+
+    if world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
+        return 1
+    return world_size
+
+
 def _names(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
@@ -231,7 +245,7 @@ class HangWatchdog(Callback):
         self._reset()
         self._trainer = trainer
         self._rank = trainer.global_rank
-        self._world_size = trainer.world_size
+        self._world_size = _lockstep_world_size(trainer.world_size)
         self._store = self._process_group_store()
         if self._store is not None:
             self._prefix = self._run_prefix()
