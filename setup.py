@@ -42,6 +42,8 @@ _EXTRAS = {
     "onnx": ["onnx>=1.16", "onnxscript>=0.1"],
     # consolidate --to safetensors writes the format itself; load_safetensors maps local files with the library.
     "safetensors": ["safetensors>=0.4"],
+    # Trainer(plugins="ddp_ft"): per-step fault tolerance across replica groups (torchft's Manager and lighthouse).
+    "ft": ["torchft==0.2.0"],
     "demo": ["scikit-learn>=1.3", "fairscale==0.4.13", "matplotlib>=3.5"],
     "test": [
         "pytest>=8",
@@ -57,6 +59,8 @@ _EXTRAS = {
         "torchdata>=0.8",
         "psutil>=5.9",
         "fairscale==0.4.13",
+        # FaultTolerantDDPPlugin's replica groups, quorum and lighthouse.
+        "torchft==0.2.0",
         # RichProgressBar, an optional progress bar.
         "rich>=13",
         # Property-based round trips of random modules and optimizers (tests/reliability/test_bad_files.py).

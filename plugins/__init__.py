@@ -32,6 +32,7 @@ __all__ = [
     "DDPShardedPlugin",
     "DistributedCheckpointIO",
     "FSDPPlugin",
+    "FaultTolerantDDPPlugin",
     "FrozenBlobCheckpointIO",
     "LocalEnvironment",
     "ModelParallelPlugin",
@@ -56,6 +57,7 @@ __all__ = [
 # torch.distributed.checkpoint cost most of a second to import, which every rank and CLI call would pay.
 _LAZY = {
     "DDPShardedPlugin": "sharded",
+    "FaultTolerantDDPPlugin": "ddp_ft",
     "FSDPPlugin": "fsdp",
     "ZeroPlugin": "zero",
     "PipelinePlugin": "pipeline",

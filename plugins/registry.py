@@ -108,6 +108,8 @@ def _register_builtins() -> None:
 
     register_plugin("ddp", DDPPlugin, start_method="popen")
     register_plugin("ddp_spawn", DDPPlugin, start_method="spawn")
+    # torchft is an optional extra (trainer-core[ft]), imported when the plugin is set up.
+    register_plugin("ddp_ft", _Lazy("trainer_core.plugins.ddp_ft", "FaultTolerantDDPPlugin"))
     register_plugin("ddp_sharded", _Lazy("trainer_core.plugins.sharded", "DDPShardedPlugin"))
     register_plugin("zero", _Lazy("trainer_core.plugins.zero", "ZeroPlugin"))
     register_plugin("fsdp", _Lazy("trainer_core.plugins.fsdp", "FSDPPlugin"))
