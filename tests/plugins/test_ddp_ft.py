@@ -1,0 +1,126 @@
+"""``FaultTolerantDDPPlugin`` refuses what it cannot run, before anything trains, in one clear error.
+
+The behaviour of replica groups that die, hang and rejoin is tested on real processes in
+``tests/reliability/test_fault_tolerance.py``.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+from boring import BoringModel, random_loader
+
+from trainer_core import Trainer
+from trainer_core.errors import MisconfigurationException
+from trainer_core.plugins import FaultTolerantDDPPlugin, plugin_from_name
+from trainer_core.plugins.ddp_ft import skipped_batches
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _trainer(plugin: FaultTolerantDDPPlugin) -> Trainer:
+    return Trainer(
+        plugins=plugin,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def test_the_name_builds_the_plugin() -> None:
+    assert isinstance(plugin_from_name("ddp_ft"), FaultTolerantDDPPlugin)
+
+
+def test_a_lighthouse_that_cannot_be_reached_fails_before_training_and_changes_nothing() -> None:
+    address = f"http://127.0.0.1:{_closed_port()}"
+    plugin = FaultTolerantDDPPlugin(
+        replica_groups=2, replica_group=0, lighthouse=address, quorum_timeout=timedelta(seconds=1)
+    )
+    model = BoringModel()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(MisconfigurationException, match=f"lighthouse at {address} cannot be reached"):
+        _trainer(plugin).fit(model, random_loader(8, 4))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_an_address_without_a_port_is_named() -> None:
+    plugin = FaultTolerantDDPPlugin(replica_groups=2, replica_group=0, lighthouse="lighthouse-host")
+    with pytest.raises(MisconfigurationException, match=r"'lighthouse-host'.*give it as http://host:port"):
+        _trainer(plugin).fit(BoringModel(), random_loader(8, 4))
+
+
+def test_a_group_outside_the_job_is_refused() -> None:
+    with pytest.raises(MisconfigurationException, match=r"replica group 2 .* groups are numbered 0\.\.1"):
+        _trainer(FaultTolerantDDPPlugin(replica_groups=2, replica_group=2, lighthouse="http://127.0.0.1:1"))
+
+
+def test_a_communication_hook_is_refused() -> None:
+    with pytest.raises(MisconfigurationException, match=r"ddp_comm_hook=.*quorum of replica groups"):
+        FaultTolerantDDPPlugin(ddp_comm_hook=lambda state, bucket: None)
+
+
+def test_manual_optimization_is_refused_before_training() -> None:
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    try:
+
+        class Manual(BoringModel):
+            def __init__(self) -> None:
+                super().__init__()
+                self.automatic_optimization = False
+
+        plugin = FaultTolerantDDPPlugin(replica_groups=1, replica_group=0, lighthouse=lighthouse.address())
+        with pytest.raises(MisconfigurationException, match="manual optimization is not supported"):
+            _trainer(plugin).fit(Manual(), random_loader(8, 4))
+    finally:
+        lighthouse.shutdown()
+
+
+def test_one_group_trains_as_one_process() -> None:
+    """A job of one group: the quorum is that group, every step commits, the result is a plain run's."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    try:
+        torch.manual_seed(0)
+        ft_model = BoringModel()
+        plugin = FaultTolerantDDPPlugin(replica_groups=1, replica_group=0, lighthouse=lighthouse.address())
+        _trainer(plugin).fit(ft_model, random_loader(8, 4))
+    finally:
+        lighthouse.shutdown()
+    torch.manual_seed(0)
+    plain = BoringModel()
+    Trainer(
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(plain, random_loader(8, 4))
+    for (name, a), b in zip(ft_model.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert plugin.steps_record == [{"epoch": 0, "batch": 0, "batches": 2, "groups": [0], "committed": True}]
+
+
+def test_skipped_batches_are_the_groups_out_of_a_step_and_every_group_of_a_step_that_did_not_commit() -> None:
+    record = [
+        {"epoch": 0, "batch": 0, "batches": 2, "groups": [0, 1], "committed": True},
+        {"epoch": 0, "batch": 2, "batches": 1, "groups": [0, 1], "committed": False},
+        {"epoch": 0, "batch": 3, "batches": 2, "groups": [0], "committed": True},
+    ]
+    assert skipped_batches(record, 2) == [(0, 2, 0), (0, 2, 1), (0, 3, 1), (0, 4, 1)]
