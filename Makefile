@@ -42,7 +42,7 @@ stress: $(VENV)/.installed-test
 		tests/checkpoint/test_frozen_blobs.py tests/checkpoint/test_consolidate_stream.py \
 		tests/plugins/test_fsdp_gather.py tests/reliability/test_elastic.py tests/reliability/test_watchdog.py \
 		tests/reliability/test_slurm_requeue.py tests/callbacks/test_straggler.py tests/reliability/test_signals.py \
-		tests/reliability/test_ranks.py tests/plugins/test_distributed_resume.py \
+		tests/reliability/test_ranks.py tests/plugins/test_distributed_resume.py tests/reliability/test_fault_tolerance.py \
 		tests/plugins/test_distributed.py::test_sharded_checkpoint_on_s3 tests/plugins/test_precision_distributed.py \
 		tests/core/test_several_optimizers.py tests/plugins/test_pipeline.py::test_resume_across_pipeline_degrees $(PYTEST_ARGS)
 	CORPUS_LIVE=1 $(PY) -m pytest -p no:cacheprovider tests/corpus $(PYTEST_ARGS)
