@@ -600,10 +600,16 @@ class FaultTolerantDDPPlugin(DDPPlugin):
         return received, f"replica group {self._sent_from} (a live peer)"
 
     def _alone_after_a_restart(self) -> bool:
-        """A group the one-machine launcher started again, in a quorum of its own at step 0."""
+        """A group started again (by the one-machine launcher or torchrun), in a quorum of its own at step 0.
+
+        Under torchrun a restarted group resumes the newest checkpoint first (its step is then not 0).
+        """
         manager = self._manager
+        restarted = os.environ.get(RESTARTS_VARIABLE, "0") != "0" or os.environ.get(
+            "TORCHELASTIC_RESTART_COUNT", "0"
+        ) not in ("", "0")
         return (
-            os.environ.get(RESTARTS_VARIABLE, "0") != "0"
+            restarted
             and manager is not None
             and manager.current_step() == 0
             and self.replica_groups > 1
@@ -677,6 +683,10 @@ class FaultTolerantDDPPlugin(DDPPlugin):
         if manager is not None:
             with contextlib.suppress(Exception):
                 manager.shutdown(wait=False)
+            # The quorum's gloo group is released now, not by the interpreter's exit, where gloo can
+            # abort the process ("terminate called without an active exception", seen once in ten runs).
+            with contextlib.suppress(Exception):
+                manager._pg.shutdown()
         super().teardown()
         if dist.is_initialized():
             dist.destroy_process_group()
