@@ -268,11 +268,16 @@ def run_ft_trial(timeout: float) -> dict[str, Any]:
         finally:
             groups.stop()
             lighthouse.kill()
-        if codes != {0: 0, 1: 0}:
-            logs = "\n".join(f"--- group {g}:\n{groups.log(g)}" for g in (0, 1))
-            raise common.WorkerError(f"ft: the groups exited with {codes}\n{logs}")
+        _check_exits(groups, codes, "ft: the groups")
         survivor, rejoined = groups.result(0), groups.result(1)
     return measure_ft(survivor, rejoined, kill_t, restart_t)
+
+
+def _check_exits(groups: Any, codes: dict[int, int], what: str) -> None:
+    """Raise with both groups' logs unless both exited 0."""
+    if codes != {0: 0, 1: 0}:
+        logs = "\n".join(f"--- group {g}:\n{groups.log(g)}" for g in (0, 1))
+        raise common.WorkerError(f"{what} exited with {codes}\n{logs}")
 
 
 def measure_ft(
@@ -354,9 +359,7 @@ def _overhead_ft(out: Path, timeout: float) -> float:
     finally:
         groups.stop()
         lighthouse.kill()
-    if codes != {0: 0, 1: 0}:
-        logs = "\n".join(f"--- group {g}:\n{groups.log(g)}" for g in (0, 1))
-        raise common.WorkerError(f"ft_overhead: the ddp_ft groups exited with {codes}\n{logs}")
+    _check_exits(groups, codes, "ft_overhead: the ddp_ft groups")
     return _step_time(groups.result(0))
 
 

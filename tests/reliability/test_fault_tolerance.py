@@ -85,6 +85,31 @@ def _check_data_rule(groups: Groups, record: list[dict[str, Any]], num_groups: i
         )
 
 
+def _ddp_run(out: Path, *extra: str) -> None:
+    """The same job under plain ``"ddp"`` on two ranks (torchrun)."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(JOBS / "ft_job.py"),
+            str(out),
+            str(STEPS),
+            "--plugin",
+            "ddp",
+            *_ARGS,
+            *extra,
+        ],
+        env=job_env(),
+        check=True,
+        timeout=180,
+        capture_output=True,
+    )
+
+
 @pytest.fixture(scope="module")
 def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     """Two groups that both train every step (the lighthouse waits for both before the first quorum)."""
@@ -110,26 +135,7 @@ def test_with_every_group_alive_the_run_is_plain_ddp_bit_for_bit(
     undisturbed: dict[Any, Any], tmp_path: Path
 ) -> None:
     out = tmp_path / "ddp"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(JOBS / "ft_job.py"),
-            str(out),
-            str(STEPS),
-            "--plugin",
-            "ddp",
-            *_ARGS,
-        ],
-        env=job_env(),
-        check=True,
-        timeout=180,
-        capture_output=True,
-    )
+    _ddp_run(out)
     ddp = json.loads((out / "group0.json").read_text())
     for group in (0, 1):
         ft = undisturbed[group]
@@ -262,28 +268,7 @@ def test_a_checkpoint_of_this_plugin_resumes_under_ddp_and_one_process(
     checkpoint = torch.load(ckpt, weights_only=False)
     assert checkpoint["plugin_state"]["torchft_manager"]["step"] == 20
     out = tmp_path / "ddp"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(JOBS / "ft_job.py"),
-            str(out),
-            str(STEPS),
-            "--plugin",
-            "ddp",
-            *_ARGS,
-            "--resume",
-            str(ckpt),
-        ],
-        env=job_env(),
-        check=True,
-        timeout=180,
-        capture_output=True,
-    )
+    _ddp_run(out, "--resume", str(ckpt))
     ddp = json.loads((out / "group0.json").read_text())
     reference = _steps(undisturbed[0])
     assert [s["global_step"] for s in ddp["steps"]] == list(range(21, STEPS + 1))
