@@ -275,10 +275,6 @@ class FaultTolerantDDPPlugin(DDPPlugin):
         return torch.device("cpu") if self._device_type != "cuda" else torch.device("cuda", 0)
 
     @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.replica_groups, "rank": self.replica_group}
-
-    @property
     def lighthouse(self) -> Optional[str]:
         return self._lighthouse_arg or os.environ.get(LIGHTHOUSE_VARIABLE) or None
 
