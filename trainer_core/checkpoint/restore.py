@@ -264,6 +264,19 @@ def restore_training_state(parts: CheckpointParts, pending: PendingRestore) -> N
             plugin.load_model_state_dict(pending.previous_weights)
         raise
     pending.previous_weights = None
+    _load_stepping_state(parts, checkpoint, optimizer_states, scheduler_states)
+    _take_pending_plateau_steps(parts, checkpoint[KEY_LOOPS])
+    _restore_loops(parts.progress, plugin, checkpoint)
+
+
+def _load_stepping_state(
+    parts: CheckpointParts,
+    checkpoint: dict[str, Any],
+    optimizer_states: list[Any],
+    scheduler_states: list[dict[str, Any]],
+) -> None:
+    """What changes with every optimizer step, checked already: optimizers, plugin state, schedulers, scaler."""
+    plugin = parts.plugin
     for opt, state in zip(plugin.optimizers, optimizer_states):
         plugin.load_optimizer_state_dict(opt, state)
     if KEY_PLUGIN_STATE in checkpoint:
@@ -273,9 +286,7 @@ def restore_training_state(parts: CheckpointParts, pending: PendingRestore) -> N
         config.scheduler.load_state_dict(state)
         if regrouped:
             rebase_learning_rates(config.scheduler)
-    _take_pending_plateau_steps(parts, checkpoint[KEY_LOOPS])
     _restore_precision(plugin.precision, checkpoint)
-    _restore_loops(parts.progress, plugin, checkpoint)
 
 
 def restore_between_steps(parts: CheckpointParts, checkpoint: dict[str, Any], source: str) -> None:
@@ -302,13 +313,7 @@ def restore_between_steps(parts: CheckpointParts, checkpoint: dict[str, Any], so
     )
     optimizer_states = _optimizer_states_for(plugin, module, checkpoint[KEY_OPTIMIZER_STATES], source)
     plugin.load_model_state_dict(checkpoint[KEY_STATE_DICT], strict=module.strict_loading)
-    for opt, state in zip(plugin.optimizers, optimizer_states):
-        plugin.load_optimizer_state_dict(opt, state)
-    for config, state in zip(plugin.lr_scheduler_configs, scheduler_states):
-        config.scheduler.load_state_dict(state)
-    if KEY_PLUGIN_STATE in checkpoint:
-        plugin.load_plugin_state_dict(checkpoint[KEY_PLUGIN_STATE])
-    _restore_precision(plugin.precision, checkpoint)
+    _load_stepping_state(parts, checkpoint, optimizer_states, scheduler_states)
     parts.progress.global_step = checkpoint[KEY_GLOBAL_STEP]
 
 
