@@ -91,7 +91,7 @@ def _import_torchft() -> Any:
 
 
 class _QuorumRecorder:
-    """Stands in for the Manager's client: keeps each quorum's members and timings for the plugin.
+    """Stands in for the Manager's client: keeps the last quorum for the plugin.
 
     torchft's ``Manager`` keeps the members of a quorum to itself; the plugin names the groups that
     left or came back, times heals and records which groups trained each step, so it reads the
@@ -101,13 +101,9 @@ class _QuorumRecorder:
     def __init__(self, client: Any) -> None:
         self._client = client
         self.last: Any = None
-        self.started = 0.0
-        self.seconds = 0.0
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        self.started = time.monotonic()
         self.last = self._client._quorum(*args, **kwargs)
-        self.seconds = time.monotonic() - self.started
         return self.last
 
     def __getattr__(self, name: str) -> Any:
@@ -293,8 +289,8 @@ class FaultTolerantDDPPlugin(DDPPlugin):
                 f"of the job's {groups} groups ({NUM_GROUPS_VARIABLE} or replica_groups=): groups are numbered "
                 f"0..{groups - 1}."
             )
-        group_size = int(os.environ.get("WORLD_SIZE", "1")) if LAUNCHED_VARIABLE not in os.environ else 1
-        if group_size != 1 and REPLICA_GROUP_VARIABLE in os.environ:
+        group_size = os.environ.get("WORLD_SIZE", "1")
+        if REPLICA_GROUP_VARIABLE in os.environ and group_size != "1":
             raise MisconfigurationException(
                 f"FaultTolerantDDPPlugin: this replica group has {group_size} processes (WORLD_SIZE); each group is "
                 "one process: start one torchrun per group with --nproc-per-node 1."
@@ -387,7 +383,7 @@ class FaultTolerantDDPPlugin(DDPPlugin):
             )
 
     def _make_manager(self, trainer: Trainer) -> Any:
-        torchft = _import_torchft()
+        _import_torchft()
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
@@ -409,7 +405,6 @@ class FaultTolerantDDPPlugin(DDPPlugin):
             replica_id=replica_name(group),
             hostname=socket.gethostname(),
         )
-        del torchft
         self._recorder = _QuorumRecorder(manager._client)
         manager._client = self._recorder
         return manager
@@ -447,10 +442,7 @@ class FaultTolerantDDPPlugin(DDPPlugin):
             module = self._lightning_module
             assert module is not None
             module.log(LIVE_GROUPS_METRIC, float(self.live_groups()), on_step=True, on_epoch=False)
-        model = self._model
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            return model("training_step", *args, **kwargs)
-        return TrainingTypePlugin.training_step(self, *args, **kwargs)
+        return super().training_step(*args, **kwargs)
 
     def optimizer_step(
         self, optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any
