@@ -8,15 +8,22 @@ values, the same results, predictions and weights.
 
 Lightning's records are kept in ``tests/corpus/expected/`` (written by Lightning 2.6.6 with
 ``CORPUS_UPDATE=1``), so ``make test`` runs only the trainer-core side; ``CORPUS_LIVE=1`` (part of
-``make stress``) runs Lightning beside it instead of reading the kept record.
+``make stress``) runs Lightning beside it instead of reading the kept record. A kept record is only a
+cache of Lightning's run: the last bits of float32 sums differ between CPUs (oneDNN picks its kernels by
+the processor), and in a weight whose gradient is rounding noise alone (the bias of a ``Linear`` before a
+``BatchNorm``, under Adam) they grow to whole steps. When a run differs from the record, Lightning (the
+test extra installs it) runs the program here and the run must equal that (:func:`compare_with_lightning`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -154,19 +161,46 @@ def test_program_matches_lightning(name: str, program: str, args: list[str], tmp
     if not ALL and name not in EVERY_RUN:
         pytest.skip("make stress runs it (FULL_MATRIX=1 or CORPUS_LIVE=1); make test runs a subset")
     ours = run("trainer_core", program, args, tmp_path / "trainer_core")
-    reference = EXPECTED / f"{name}.json"
-    if LIVE:
-        theirs = run("lightning", program, args, tmp_path / "lightning")
-        if os.environ.get("CORPUS_UPDATE") == "1":
-            EXPECTED.mkdir(exist_ok=True)
-            reference.write_text(json.dumps(theirs, indent=1) + "\n")
-    else:
-        assert reference.exists(), (
-            f"no Lightning record for {name}: run with CORPUS_UPDATE=1 to write {reference}"
-        )
-        theirs = json.loads(reference.read_text())
     assert ours, "the program called no Trainer entry point"
-    assert_same_record(ours, theirs)
+    compare_with_lightning(
+        ours,
+        EXPECTED / f"{name}.json",
+        lambda: run("lightning", program, args, tmp_path / "lightning"),
+        assert_same_record,
+    )
+
+
+def compare_with_lightning(
+    ours: list[dict[str, Any]],
+    reference: Path,
+    run_lightning: Callable[[], list[dict[str, Any]]],
+    assert_same: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None],
+) -> None:
+    """``assert_same(ours, Lightning's record)``: live under ``CORPUS_LIVE=1`` (``CORPUS_UPDATE=1`` keeps it
+    in ``reference``), else the kept record, and where that differs, Lightning run here (see the module
+    docstring): a record kept on another CPU proves nothing either way on this one."""
+    if LIVE:
+        theirs = run_lightning()
+        if os.environ.get("CORPUS_UPDATE") == "1":
+            reference.parent.mkdir(parents=True, exist_ok=True)
+            reference.write_text(json.dumps(theirs, indent=1) + "\n")
+        assert_same(ours, theirs)
+        return
+    assert reference.exists(), (
+        f"no Lightning record for {reference.stem}: run with CORPUS_UPDATE=1 to write {reference}"
+    )
+    try:
+        assert_same(ours, json.loads(reference.read_text()))
+    except AssertionError as kept_differs:
+        if importlib.util.find_spec("pytorch_lightning") is None:
+            raise
+        theirs = run_lightning()
+        assert_same(ours, theirs)
+        warnings.warn(
+            f"{reference.name}: the kept record differs from Lightning's run on this machine ({kept_differs!r:.300}); "
+            "the run equals Lightning's here",
+            stacklevel=2,
+        )
 
 
 @pytest.mark.timeout(900)

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_lightning_programs import ALL, LIVE, assert_same_record, run
+from test_lightning_programs import ALL, assert_same_record, compare_with_lightning, run
 
 HERE = Path(__file__).resolve().parent
 EXPECTED = HERE / "expected" / "third_party"
@@ -96,19 +95,13 @@ def test_third_party_program_matches_lightning(entry: dict[str, Any], tmp_path: 
         )
     args, budget = entry.get("args", []), entry.get("budget") or None
     ours = run("trainer_core", entry["program"], args, tmp_path / "trainer_core", budget=budget)
-    reference = EXPECTED / f"{name}.json"
-    if LIVE:
-        theirs = run("lightning", entry["program"], args, tmp_path / "lightning", budget=budget)
-        if os.environ.get("CORPUS_UPDATE") == "1":
-            EXPECTED.mkdir(parents=True, exist_ok=True)
-            reference.write_text(json.dumps(theirs, indent=1) + "\n")
-    else:
-        assert reference.exists(), (
-            f"no Lightning record for {name}: run with CORPUS_UPDATE=1 to write {reference}"
-        )
-        theirs = json.loads(reference.read_text())
     assert ours, "the program called no Trainer entry point"
-    assert_same_run(ours, theirs)
+    compare_with_lightning(
+        ours,
+        EXPECTED / f"{name}.json",
+        lambda: run("lightning", entry["program"], args, tmp_path / "lightning", budget=budget),
+        assert_same_run,
+    )
 
 
 def test_manifests_are_complete() -> None:
