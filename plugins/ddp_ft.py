@@ -511,6 +511,12 @@ class FaultTolerantDDPPlugin(DDPPlugin):
                 f"FaultTolerantDDPPlugin: replica group {group} ({_host_of(new[group])}) joined the quorum; "
                 f"{len(new)} group(s) train."
             )
+        # A group started again before the lighthouse gave up on it: the same number, another process.
+        for group in sorted(g for g in set(old) & set(new) if old[g] != new[g]):
+            _logger.warning(
+                f"FaultTolerantDDPPlugin: replica group {group} ({_host_of(old[group])}) left the quorum and its "
+                f"new process ({_host_of(new[group])}) joined the quorum in the same step; {len(new)} group(s) train."
+            )
         if 0 not in new and self.replica_group == min(new) and not self._warned_no_writer:
             self._warned_no_writer = True
             _logger.warning(

@@ -128,6 +128,21 @@ def test_skipped_batches_are_the_groups_out_of_a_step_and_every_group_of_a_step_
     assert skipped_batches(record, 2) == [(0, 2, 0), (0, 2, 1), (0, 3, 1), (0, 4, 1)]
 
 
+def test_a_group_started_again_between_two_quorums_is_named_as_leaving_and_joining(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A restart that beats the lighthouse's heartbeat timeout keeps the group's number with another process."""
+    plugin = FaultTolerantDDPPlugin(replica_groups=2, replica_group=0, lighthouse="http://127.0.0.1:1")
+    plugin._note_members(("vm_pid10_group0:a", "vm_pid11_group1:b"))
+    with caplog.at_level("WARNING", logger="trainer_core"):
+        plugin._note_members(("vm_pid10_group0:a", "vm_pid11_group1:b"))
+        assert not caplog.records
+        plugin._note_members(("vm_pid10_group0:a", "vm_pid12_group1:c"))
+    [message] = [r.getMessage() for r in caplog.records]
+    assert "replica group 1 (host vm, pid 11) left the quorum" in message
+    assert "(host vm, pid 12) joined the quorum" in message and "2 group(s) train" in message
+
+
 def test_accumulated_steps_commit_once_per_cycle_as_a_plain_run() -> None:
     """accumulate_grad_batches=2: one quorum and one vote per cycle; the weights are a plain run's bit for bit."""
     from torchft._torchft import LighthouseServer

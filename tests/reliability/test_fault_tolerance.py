@@ -361,4 +361,6 @@ def test_the_one_machine_example_starts_the_lighthouse_and_restarts_the_group_th
     assert "replica group 1 (pid" in out and "starting it again (1 of 3)" in out
     assert "replica group 1 (host" in out and "left the quorum" in out and "joined the quorum" in out
     assert "replica group 1 healed from replica group 0 at step" in out
-    assert "groups [0]: " in out and "groups [0, 1]: " in out and "global_step=1500" in out
+    # Whether group 0 trains batches alone depends on the restart: one faster than the lighthouse's
+    # heartbeat timeout joins the very quorum the survivor waits on (then both print left and joined).
+    assert "groups [0, 1]: " in out and "global_step=1500" in out
