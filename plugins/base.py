@@ -317,9 +317,8 @@ class TrainingTypePlugin(_RefusesUnknownArguments):
 
     def defines_step(self, name: str) -> bool:
         """Whether the step ``name`` (``"validation_step"``, ...) runs: the module's own, unless the plugin runs it."""
-        from lightning_utilities.core.overrides import is_overridden
-
         from trainer_core.module import LightningModule
+        from trainer_core.utilities.overrides import is_overridden
 
         return bool(is_overridden(name, self._lightning_module, LightningModule))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -263,10 +264,6 @@ def configure_callbacks(
 
     ``max_time`` adds a ``Timer`` checking after every batch, unless the user gave one.
     """
-    from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
-    from trainer_core.callbacks.model_summary import ModelSummary, RichModelSummary, rich_available
-    from trainer_core.callbacks.progress import ProgressBar, TQDMProgressBar
-
     result = as_list(callbacks)
     for cb in result:
         if is_class_of(cb, Callback):
@@ -275,26 +272,39 @@ def configure_callbacks(
             raise MisconfigurationException(
                 f"Trainer(callbacks=...): {type(cb).__name__} is not a trainer_core.callbacks.Callback."
             )
-    has_checkpoint = any(isinstance(cb, ModelCheckpoint) for cb in result)
+    has_checkpoint = _any_of(result, "model_checkpoint", "ModelCheckpoint")
     if has_checkpoint and not enable_checkpointing:
         raise MisconfigurationException(
             "Trainer(enable_checkpointing=False) but a ModelCheckpoint is in `callbacks`; remove one of the two."
         )
     if enable_checkpointing and not has_checkpoint:
+        from trainer_core.callbacks.model_checkpoint import ModelCheckpoint
+
         result.append(ModelCheckpoint())
     if max_time is not None:
         _add_timer(result, max_time)
-    has_bar = any(isinstance(cb, ProgressBar) for cb in result)
+    has_bar = _any_of(result, "progress", "ProgressBar")
     if has_bar and not enable_progress_bar:
         raise MisconfigurationException(
             "Trainer(enable_progress_bar=False) but a progress bar is in `callbacks`; remove one of the two."
         )
     if enable_progress_bar and not has_bar:
+        from trainer_core.callbacks.progress import TQDMProgressBar
+
         result.append(TQDMProgressBar())
-    if enable_model_summary and not any(isinstance(cb, ModelSummary) for cb in result):
+    if enable_model_summary and not _any_of(result, "model_summary", "ModelSummary"):
+        from trainer_core.callbacks.model_summary import ModelSummary, RichModelSummary, rich_available
+
         # Lightning's default: the rich table when ``rich`` is installed.
         result.append(RichModelSummary() if rich_available() else ModelSummary())
     return _reorder(result)
+
+
+def _any_of(callbacks: list[Callback], module: str, name: str) -> bool:
+    """Whether one of ``callbacks`` is a ``trainer_core.callbacks.<module>.<name>``; asked without importing
+    the module, since none can be while it is not loaded (a Trainer with the defaults off loads none)."""
+    loaded = sys.modules.get(f"trainer_core.callbacks.{module}")
+    return loaded is not None and any(isinstance(cb, getattr(loaded, name)) for cb in callbacks)
 
 
 def _add_timer(callbacks: list[Callback], max_time: Any) -> None:

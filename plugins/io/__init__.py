@@ -3,21 +3,22 @@
 Each IO class writes and reads its own kind of checkpoint; ``readers`` says what a path holds and
 hands it to the reader of that kind, registered here. ``DistributedCheckpointIO`` is imported on
 first use: it brings in ``torch.distributed.checkpoint`` and DTensor, most of a second that every
-process (each rank, each CLI call) would pay otherwise.
+process (each rank, each CLI call) would pay otherwise; ``AsyncCheckpointIO`` and
+``FrozenBlobCheckpointIO`` are too (a few milliseconds of every Trainer's start).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from trainer_core.plugins.io.async_io import AsyncCheckpointIO
 from trainer_core.plugins.io.checkpoint_io import COMMIT_MARKER_SUFFIX, CheckpointIO, WrappingCheckpointIO
-from trainer_core.plugins.io.frozen_io import FrozenBlobCheckpointIO
 from trainer_core.plugins.io.readers import FILE, SHARDED, register_reader
 from trainer_core.plugins.io.torch_io import TorchCheckpointIO
 
 if TYPE_CHECKING:
+    from trainer_core.plugins.io.async_io import AsyncCheckpointIO
     from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
+    from trainer_core.plugins.io.frozen_io import FrozenBlobCheckpointIO
 
 __all__ = [
     "COMMIT_MARKER_SUFFIX",
@@ -30,11 +31,20 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "DistributedCheckpointIO":
-        from trainer_core.plugins.io.distributed_io import DistributedCheckpointIO
+#: Imported on first use too: a Trainer that saves with the default IO never loads them.
+_LAZY = {
+    "AsyncCheckpointIO": "async_io",
+    "DistributedCheckpointIO": "distributed_io",
+    "FrozenBlobCheckpointIO": "frozen_io",
+}
 
-        return DistributedCheckpointIO
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is not None:
+        import importlib
+
+        return getattr(importlib.import_module(f"trainer_core.plugins.io.{module}"), name)
     raise AttributeError(f"module 'trainer_core.plugins.io' has no attribute {name!r}")
 
 

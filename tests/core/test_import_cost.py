@@ -120,6 +120,34 @@ def test_a_default_trainer_loads_only_the_callbacks_it_uses(tmp_path: Path) -> N
     assert not {m for m in found if m.startswith(("trainer_core.loggers.", "mlflow", "wandb"))}
 
 
+def test_a_fit_with_the_defaults_off_loads_no_callback_io_or_packaging(tmp_path: Path) -> None:
+    """Checkpointing, the bar, the summary and the logger off: a fit loads the plugin it runs under and none of
+    the callbacks, the checkpoint IO (fsspec), ``lightning_utilities`` (``packaging``) or the FLOP counter
+    (about 25 ms of every such run before, a tenth of the tiny overhead benchmark's)."""
+    found = _heavy_loaded_by(
+        "import torch\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "from trainer_core import LightningModule, Trainer\n"
+        "class M(LightningModule):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.net = torch.nn.Linear(2, 1)\n"
+        "    def training_step(self, batch, batch_idx):\n"
+        "        return self.net(batch[0]).sum()\n"
+        "    def configure_optimizers(self):\n"
+        "        return torch.optim.SGD(self.parameters(), lr=0.1)\n"
+        f"trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, "
+        f"enable_model_summary=False, max_steps=2, default_root_dir={str(tmp_path)!r})\n"
+        "trainer.fit(M(), DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=2))\n"
+        "assert trainer.global_step == 2\n"
+    )
+    assert found, "the probe saw no module at all (the plugins at least load)"
+    assert not {m for m in found if m in BUILT_IN_CALLBACKS}
+    assert not {m for m in found if m.startswith(("fsspec", "lightning_utilities", "packaging", "tqdm"))}
+    assert "torch.utils.flop_counter" not in found
+    assert not {m for m in found if m.startswith("trainer_core.plugins.io.")}
+
+
 def test_lazy_packages_give_every_public_name() -> None:
     """``from trainer_core.callbacks import X`` and ``dir()`` work for every name of ``__all__``, as before."""
     import trainer_core.callbacks as callbacks
