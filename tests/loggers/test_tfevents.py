@@ -102,8 +102,12 @@ def fit(**logger):
 fit(logger=False)
 before = set(sys.modules)
 trainer = fit()
-# The loggers' own modules, and fsspec's parts that resolve a folder (fsspec itself is in already).
-added = sorted(m for m in set(sys.modules) - before if not m.startswith(("trainer_core.loggers", "fsspec.")))
+# The loggers' own modules, and fsspec, which resolves the folder (a fit without a logger or checkpoints
+# never loads it), with the one standard-library module fsspec brings.
+added = sorted(
+    m for m in set(sys.modules) - before
+    if not m.startswith(("trainer_core.loggers", "fsspec")) and m != "configparser"
+)
 print(json.dumps({{"added": added, "logged": trainer.logged_metrics["loss"]}}))
 """
     proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
