@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainer_core.plugins.base import TrainingTypePlugin
 from trainer_core.plugins.ddp import DDPPlugin
@@ -16,6 +15,7 @@ from trainer_core.plugins.environments import (
 from trainer_core.plugins.registry import available_plugins, plugin_from_name, register_plugin
 from trainer_core.plugins.single_device import SingleDevicePlugin
 from trainer_core.precision import Precision
+from trainer_core.utilities.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from trainer_core.plugins.io import CheckpointIO, TorchCheckpointIO, WrappingCheckpointIO
@@ -72,8 +72,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'trainer_core.plugins' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"trainer_core.plugins.{module}"), name)
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

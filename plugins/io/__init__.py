@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from trainer_core.plugins.io.checkpoint_io import COMMIT_MARKER_SUFFIX, CheckpointIO, WrappingCheckpointIO
 from trainer_core.plugins.io.readers import FILE, SHARDED, register_reader
 from trainer_core.plugins.io.torch_io import TorchCheckpointIO
+from trainer_core.utilities.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from trainer_core.plugins.io.async_io import AsyncCheckpointIO
@@ -39,13 +40,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is not None:
-        import importlib
-
-        return getattr(importlib.import_module(f"trainer_core.plugins.io.{module}"), name)
-    raise AttributeError(f"module 'trainer_core.plugins.io' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 def _distributed_checkpoint_io(storage_options: dict[str, Any]) -> DistributedCheckpointIO:
