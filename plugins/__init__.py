@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from trainer_core.plugins.base import TrainingTypePlugin
 from trainer_core.plugins.ddp import DDPPlugin
 from trainer_core.plugins.environments import (
@@ -16,9 +14,6 @@ from trainer_core.plugins.registry import available_plugins, plugin_from_name, r
 from trainer_core.plugins.single_device import SingleDevicePlugin
 from trainer_core.precision import Precision
 from trainer_core.utilities.lazy import lazy_attributes
-
-if TYPE_CHECKING:
-    from trainer_core.plugins.io import CheckpointIO, TorchCheckpointIO, WrappingCheckpointIO
 
 __all__ = [
     "AsyncCheckpointIO",

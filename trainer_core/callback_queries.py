@@ -93,6 +93,11 @@ def prediction_writer_intervals(callbacks: list[Callback]) -> tuple[bool, bool]:
     return any(w.writes_on_batch for w in writers), any(w.writes_on_epoch for w in writers)
 
 
+def has_model_summary(callbacks: list[Callback]) -> bool:
+    summary = _loaded("model_summary.ModelSummary")
+    return any(isinstance(cb, summary) for cb in callbacks)
+
+
 def progress_bar_callback(callbacks: list[Callback]) -> Optional[ProgressBar]:
     bar = _loaded("progress.ProgressBar")
     for cb in callbacks:

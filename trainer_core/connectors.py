@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -19,6 +18,8 @@ import torch
 from trainer_core.callback_queries import (
     callback_overrides,  # noqa: F401
     checkpoint_callbacks,
+    has_model_summary,
+    progress_bar_callback,
 )
 from trainer_core.callbacks.base import Callback
 from trainer_core.errors import MisconfigurationException
@@ -272,7 +273,7 @@ def configure_callbacks(
             raise MisconfigurationException(
                 f"Trainer(callbacks=...): {type(cb).__name__} is not a trainer_core.callbacks.Callback."
             )
-    has_checkpoint = _any_of(result, "model_checkpoint", "ModelCheckpoint")
+    has_checkpoint = bool(checkpoint_callbacks(result))
     if has_checkpoint and not enable_checkpointing:
         raise MisconfigurationException(
             "Trainer(enable_checkpointing=False) but a ModelCheckpoint is in `callbacks`; remove one of the two."
@@ -283,7 +284,7 @@ def configure_callbacks(
         result.append(ModelCheckpoint())
     if max_time is not None:
         _add_timer(result, max_time)
-    has_bar = _any_of(result, "progress", "ProgressBar")
+    has_bar = progress_bar_callback(result) is not None
     if has_bar and not enable_progress_bar:
         raise MisconfigurationException(
             "Trainer(enable_progress_bar=False) but a progress bar is in `callbacks`; remove one of the two."
@@ -292,19 +293,12 @@ def configure_callbacks(
         from trainer_core.callbacks.progress import TQDMProgressBar
 
         result.append(TQDMProgressBar())
-    if enable_model_summary and not _any_of(result, "model_summary", "ModelSummary"):
+    if enable_model_summary and not has_model_summary(result):
         from trainer_core.callbacks.model_summary import ModelSummary, RichModelSummary, rich_available
 
         # Lightning's default: the rich table when ``rich`` is installed.
         result.append(RichModelSummary() if rich_available() else ModelSummary())
     return _reorder(result)
-
-
-def _any_of(callbacks: list[Callback], module: str, name: str) -> bool:
-    """Whether one of ``callbacks`` is a ``trainer_core.callbacks.<module>.<name>``; asked without importing
-    the module, since none can be while it is not loaded (a Trainer with the defaults off loads none)."""
-    loaded = sys.modules.get(f"trainer_core.callbacks.{module}")
-    return loaded is not None and any(isinstance(cb, getattr(loaded, name)) for cb in callbacks)
 
 
 def _add_timer(callbacks: list[Callback], max_time: Any) -> None:
