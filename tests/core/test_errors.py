@@ -282,6 +282,29 @@ def test_checkpoint_callback_with_checkpointing_disabled():
         Trainer(enable_checkpointing=False, callbacks=[ModelCheckpoint()])
 
 
+def test_a_users_subclasses_of_the_default_callbacks_count_as_those_defaults():
+    """The Trainer asks whether a callback is a checkpoint, a bar or a summary without importing those modules
+    first; a user's subclass, defined in the user's own module, is still found (its module loaded theirs)."""
+    from trainer_core.callbacks import ModelCheckpoint, ModelSummary, TQDMProgressBar
+
+    class MyCheckpoint(ModelCheckpoint):
+        pass
+
+    class MyBar(TQDMProgressBar):
+        pass
+
+    class MySummary(ModelSummary):
+        pass
+
+    with pytest.raises(MisconfigurationException, match=r"enable_checkpointing=False"):
+        Trainer(enable_checkpointing=False, callbacks=[MyCheckpoint()])
+    with pytest.raises(MisconfigurationException, match=r"enable_progress_bar=False"):
+        Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=[MyBar()])
+    bar, summary = MyBar(), MySummary()
+    trainer = Trainer(logger=False, enable_checkpointing=False, callbacks=[bar, summary])
+    assert trainer.callbacks == [bar, summary]
+
+
 # ---------------------------------------------------------------------- checkpoint values of the wrong kind
 def _nan_epoch(checkpoint: dict) -> None:
     checkpoint["epoch"] = float("nan")
